@@ -1,0 +1,22 @@
+"""CPU activation offloading for PyTorch, small enough to read in one sitting.
+
+See :func:`get_cpu_offload_context` for the entry point and :mod:`offload_examples.engine` for the
+life of an offloaded tensor.
+"""
+
+from .api import get_cpu_offload_context
+from .engine import LayerStats, OffloadEngine, OffloadWarning, mark_not_offload
+from .host_pool import HostMemoryLimitError
+from .schedule import DefaultSchedule
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DefaultSchedule",
+    "HostMemoryLimitError",
+    "LayerStats",
+    "OffloadEngine",
+    "OffloadWarning",
+    "get_cpu_offload_context",
+    "mark_not_offload",
+]

@@ -1,0 +1,509 @@
+"""The offload engine: the whole life of an offloaded tensor, in the order it happens.
+
+1. **Saved.** Inside ``with ctx:`` autograd hands every tensor it saves for backward to
+   :meth:`OffloadEngine._pack`. Weights, small tensors and tensors of layers that are not
+   offloaded are returned unchanged. Any other tensor is looked up by its *storage*: the first
+   tensor of a storage creates a :class:`_StorageRecord`, later tensors of the same storage
+   (views, the same tensor saved again) reuse it, so each storage is copied once and views come
+   back sharing memory. Autograd keeps a small :class:`_SavedView` instead of the tensor.
+2. **Copied out.** The record copies the storage's bytes into a pinned host buffer on the
+   device-to-host stream right away, after that stream has waited for the compute stream (the
+   tensor has only just been written). An event marks the end of the copy.
+3. **Released.** When the forward of layer ``N - k + i`` starts, layer ``i``'s records are
+   released: the compute stream waits for each copy's event (on the device) and the engine drops
+   its reference to the GPU memory, so the caching allocator can hand it to the next layer.
+4. **Reloaded.** When the backward of layer ``N - 1 - k + i`` starts (the gradient hook placed by
+   ``sync``), new GPU memory is allocated on the compute stream and filled on the host-to-device
+   stream; each record gets its own event.
+5. **Used.** When autograd unpacks a :class:`_SavedView`, the compute stream waits for *that
+   record's* reload event only, and the view is rebuilt with its dtype, shape, strides and offset.
+6. **Freed.** When autograd drops the last :class:`_SavedView` of a record (after the layer's
+   backward), the GPU memory is dropped and the host buffer goes back to the pool, tagged with the
+   event of the last copy that touched it so its next user can wait for it.
+
+Without a GPU the same code runs with CPU tensors: copies are synchronous and land in separate
+host buffers, and the originals are released exactly when they would be on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import warnings
+import weakref
+from dataclasses import dataclass
+from types import TracebackType
+
+import torch
+
+from .host_pool import HostBuffer, HostBufferPool, HostMemoryLimitError
+from .schedule import DefaultSchedule, ResidentTrace
+from .streams import Streams
+
+__all__ = ["LayerStats", "OffloadEngine", "OffloadWarning", "mark_not_offload"]
+
+_KEEP_ATTR = "_offload_examples_keep"
+
+
+class OffloadWarning(UserWarning):
+    """Something was not offloaded as asked, or was brought back later than planned."""
+
+
+def mark_not_offload(*tensors: torch.Tensor) -> None:
+    """Keep these tensors on the device even when they are saved inside an offloaded layer.
+
+    Use it for tensors that stay alive anyway (a cache the caller holds), where copying them
+    out would cost bandwidth and save no memory.
+    """
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"mark_not_offload expects tensors, got {type(t).__name__}")
+        setattr(t, _KEEP_ATTR, True)
+
+
+@dataclass
+class LayerStats:
+    """What the engine did with one layer's saved tensors in the current iteration."""
+
+    saved_tensors: int = 0
+    #: Bytes of the distinct storages that could be offloaded (whether or not this layer is).
+    candidate_bytes: int = 0
+    offloaded_tensors: int = 0
+    offloaded_storages: int = 0
+    offloaded_bytes: int = 0
+    kept_tensors: int = 0
+
+
+def _is_weight_like(t: torch.Tensor) -> bool:
+    """Parameters, leaves that require grad, their views, and autocast's casts of them."""
+    for x in (t, t._base):
+        if x is None:
+            continue
+        if isinstance(x, torch.nn.Parameter) or (x.requires_grad and x.grad_fn is None):
+            return True
+        fn = x.grad_fn
+        # autocast saves `weight.to(bf16)`: a copy whose only input is a leaf's AccumulateGrad
+        if fn is not None and type(fn).__name__ == "ToCopyBackward0":
+            inputs = [f for f, _ in fn.next_functions if f is not None]
+            if inputs and all(type(f).__name__ == "AccumulateGrad" for f in inputs):
+                return True
+    return False
+
+
+def _in_place_error(layer: int) -> RuntimeError:
+    return RuntimeError(
+        f"a tensor saved for backward in layer {layer} was modified in place after it was saved, "
+        "so its gradient would be wrong. Clone it before modifying it (autograd reports the same "
+        "misuse without offloading)."
+    )
+
+
+class _Kept:
+    """A saved tensor that stays on the device, with the version it was saved at.
+
+    While saved-tensor hooks are active autograd no longer checks for in-place changes itself,
+    so the engine does. The tensor is held detached: an output that held its own ``grad_fn``
+    through this object would form a reference cycle (autograd restores the link on unpack).
+    """
+
+    __slots__ = ("tensor", "version", "layer")
+
+    def __init__(self, t: torch.Tensor, layer: int):
+        self.tensor = t.detach()
+        self.version = t._version
+        self.layer = layer
+
+    def unpack(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise _in_place_error(self.layer)
+        return self.tensor
+
+
+class _StorageRecord:
+    """One offloaded storage: its GPU bytes, its host copy, and the events that order them."""
+
+    __slots__ = (
+        "engine", "layer", "iteration", "nbytes", "original", "version", "original_ref",
+        "device", "alloc_stream", "host", "offloaded", "reloaded", "views", "aborted",
+    )
+
+    def __init__(self, engine: OffloadEngine, layer: int, t: torch.Tensor, host: HostBuffer):
+        storage = t.untyped_storage()
+        self.engine = engine
+        self.layer = layer
+        self.iteration = engine.iteration
+        self.nbytes = storage.nbytes()
+        # Held until release so an in-place change can be detected, then only weakly.
+        self.original: torch.Tensor | None = t
+        self.version = t._version
+        self.original_ref = weakref.ref(t)
+        #: Flat uint8 view of the whole storage on the device, or None while it lives on the host.
+        self.device: torch.Tensor | None = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+        self.alloc_stream = engine.streams.current()
+        self.host: HostBuffer | None = host
+        self.offloaded: torch.cuda.Event | None = None
+        self.reloaded: torch.cuda.Event | None = None
+        self.views = 0
+        self.aborted = False
+
+    def copy_out(self) -> None:
+        """Queue the device-to-host copy (step 2)."""
+        s = self.engine.streams
+        s.wait_stream(s.d2h, self.alloc_stream)  # the tensor was just written on the compute stream
+        s.wait(s.d2h, self.host.ready)  # the buffer's previous reload may still be reading it
+        with s.on(s.d2h), torch.no_grad():
+            self.host.data.copy_(self.device, non_blocking=True)
+        self.offloaded = s.record(s.d2h)
+
+    def check_version(self) -> None:
+        t = self.original if self.original is not None else self.original_ref()
+        if t is not None and t._version != self.version:
+            raise _in_place_error(self.layer)
+
+    def drop_device(self) -> None:
+        """Forget the GPU bytes (step 3 and 6).
+
+        The stream that allocated them first waits for the copies that read or wrote them, so
+        the caching allocator can reuse the memory on that stream without racing a side stream.
+        """
+        if self.device is None:
+            return
+        s = self.engine.streams
+        s.wait(self.alloc_stream, self.offloaded)
+        s.wait(self.alloc_stream, self.reloaded)
+        self.device = None
+        self.original = None
+
+    def copy_in(self, compute: torch.cuda.Stream | None) -> None:
+        """Allocate GPU bytes and queue the host-to-device copy (step 4).
+
+        The caller has made the host-to-device stream wait for ``compute``, on which the new
+        memory was allocated (it may be memory the compute stream used until just now).
+        """
+        s = self.engine.streams
+        s.wait(s.h2d, self.offloaded)
+        with s.on(s.h2d), torch.no_grad():
+            self.device.copy_(self.host.data, non_blocking=True)
+        self.reloaded = s.record(s.h2d)
+
+    def free(self) -> None:
+        """Give everything back once autograd no longer needs the storage (step 6)."""
+        self.drop_device()
+        if self.host is not None:
+            last_copy = self.reloaded or self.offloaded
+            self.engine.pool.give_back(self.host, last_copy)
+            self.host = None
+
+
+class _SavedView:
+    """What autograd keeps instead of an offloaded tensor: how to rebuild it from its record."""
+
+    __slots__ = ("record", "dtype", "size", "stride", "offset", "__weakref__")
+
+    def __init__(self, record: _StorageRecord, t: torch.Tensor):
+        self.record = record
+        self.dtype = t.dtype
+        self.size = t.size()
+        self.stride = t.stride()
+        self.offset = t.storage_offset()
+        record.views += 1
+
+    def __del__(self) -> None:
+        engine = self.record.engine
+        try:
+            engine._view_dropped(self.record)
+        except Exception:  # never raise from a finaliser (interpreter shutdown, ...)
+            pass
+
+
+class OffloadEngine:
+    """Context manager that offloads saved activations of selected layers.
+
+    Enter it once per layer and pass each layer's output through :meth:`sync`; see
+    :func:`offload_examples.get_cpu_offload_context`, which builds it.
+
+    Parameters
+    ----------
+    schedule:
+        Which layers are offloaded and when they are released and reloaded.
+    device:
+        Tensors saved on this device are candidates; tensors elsewhere are kept as they are.
+    min_offload_bytes:
+        Storages smaller than this stay on the device (copying them costs more than it saves).
+    retain_pinned_cpu_buffers:
+        Keep host buffers from one iteration to the next (no pinning after the first step).
+    offload_stream:
+        Stream for device-to-host copies; a new one when ``None``.
+    host_memory_limit:
+        Most host bytes the pool may hold; beyond it tensors stay on the device (with a warning).
+    """
+
+    def __init__(
+        self,
+        schedule: DefaultSchedule,
+        *,
+        device: torch.device,
+        min_offload_bytes: int = 1024,
+        retain_pinned_cpu_buffers: bool = False,
+        offload_stream: torch.cuda.Stream | None = None,
+        host_memory_limit: int | None = None,
+    ):
+        if not isinstance(min_offload_bytes, int) or min_offload_bytes < 0:
+            raise ValueError(f"min_offload_bytes must be an int >= 0, got {min_offload_bytes!r}")
+        self.schedule = schedule
+        self.device = device
+        self.min_offload_bytes = min_offload_bytes
+        self.streams = Streams(device, offload_stream)
+        self.pool = HostBufferPool(
+            pin_memory=device.type == "cuda", retain=retain_pinned_cpu_buffers, limit_bytes=host_memory_limit
+        )
+        self._lock = threading.RLock()  # views die and backward hooks run on autograd's threads
+        self._warned: set[str] = set()
+        self.iteration = -1
+        self._in_layer = False
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._new_iteration()
+
+    # ------------------------------------------------------------------ public read-outs
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes copied to host memory in the current (or last) iteration."""
+        return sum(s.offloaded_bytes for s in self.stats)
+
+    def theoretical(self) -> ResidentTrace:
+        """The schedule's prediction for the bytes this iteration saved and offloaded.
+
+        Its ``saving`` is the peak-memory saving to expect in theory; its ``points`` say how many
+        offloaded bytes should be on the device at each phase (compare :attr:`resident_trace`).
+        """
+        offloaded = [s.offloaded_bytes for s in self.stats]
+        kept = [s.candidate_bytes - s.offloaded_bytes for s in self.stats]
+        return self.schedule.simulate(offloaded, kept)
+
+    def release_buffers(self) -> None:
+        """Free the pinned host buffers that are not in use."""
+        self.pool.release()
+
+    # ------------------------------------------------------------------ iterations
+    def _new_iteration(self) -> None:
+        """Forget the last iteration; its records that autograd still holds live on the host."""
+        with self._lock:
+            for records in getattr(self, "_records", []):
+                for rec in records:
+                    rec.drop_device()
+            if self.iteration >= 0:
+                self.pool.end_iteration()
+            self.iteration += 1
+            n = self.schedule.model_layers
+            self._records: list[list[_StorageRecord]] = [[] for _ in range(n)]
+            self._by_storage: list[dict[int, _StorageRecord]] = [{} for _ in range(n)]
+            self._seen: list[set[int]] = [set() for _ in range(n)]
+            self.stats = [LayerStats() for _ in range(n)]
+            #: ``(kind, layer)`` in the order the engine acted (see the module docstring).
+            self.events: list[tuple[str, int]] = []
+            #: ``(phase, layer, bytes)``: offloadable bytes on the device at the end of each
+            #: forward and at the start of each backward, as :meth:`DefaultSchedule.simulate` counts.
+            self.resident_trace: list[tuple[str, int, int]] = []
+            self.resident_bytes = 0
+            self.live_views = 0
+            self._entered = 0
+            self._backward_seen = False
+
+    def _abort(self) -> None:
+        """A layer's forward raised: give back every buffer and start afresh."""
+        with self._lock:
+            for records in self._records:
+                for rec in records:
+                    rec.aborted = True
+                    rec.free()
+            self._new_iteration()
+
+    # ------------------------------------------------------------------ context manager
+    def __enter__(self) -> OffloadEngine:
+        if self._in_layer:
+            raise RuntimeError("the offload context is already active: it cannot be nested")
+        with self._lock:
+            n = self.schedule.model_layers
+            if self._backward_seen or (self._entered == n and self.live_views == 0):
+                self._new_iteration()
+            elif self._entered == n:
+                raise RuntimeError(
+                    f"the offload context was entered more than model_layers={n} times before a "
+                    "backward pass. Set model_layers to the number of layers run per iteration; "
+                    "for several forwards before a backward use manual synchronization."
+                )
+            j = self._entered
+            for action, i in self.schedule.actions("forward", j):
+                self._release(i)
+            self.events.append(("forward", j))
+        self._layer = j
+        self._in_layer = True
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._hooks.__exit__(exc_type, exc, tb)
+        self._hooks = None
+        self._in_layer = False
+        if exc_type is not None:
+            self._abort()
+            return
+        with self._lock:
+            self.resident_trace.append(("forward", self._layer, self.resident_bytes))
+            self._entered += 1
+
+    def sync(self, x: torch.Tensor) -> torch.Tensor:
+        """Mark ``x`` as the output of the layer that just ran; returns ``x``.
+
+        The gradient of ``x`` arrives exactly when that layer's backward starts, so a hook on it
+        is where the schedule starts reloads.
+        """
+        if self._in_layer:
+            raise RuntimeError("sync must be called after leaving the offload context, not inside it")
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"sync expects the layer's output tensor, got {type(x).__name__}")
+        if self._entered == 0:
+            raise RuntimeError("sync was called before any layer ran inside the offload context")
+        if x.requires_grad:
+            x.register_hook(functools.partial(_grad_hook, weakref.ref(self), self.iteration, self._entered - 1))
+        return x
+
+    # ------------------------------------------------------------------ schedule actions
+    def _release(self, layer: int) -> None:
+        for rec in self._records[layer]:
+            if rec.device is not None:
+                rec.check_version()
+                rec.drop_device()
+                self.resident_bytes -= rec.nbytes
+        self.events += [("offload_finished", layer), ("release", layer)]
+
+    def _reload(self, records: list[_StorageRecord]) -> None:
+        s = self.streams
+        compute = s.current()
+        todo = [r for r in records if r.device is None and r.host is not None and not r.aborted]
+        for rec in todo:
+            rec.device = torch.empty(rec.nbytes, dtype=torch.uint8, device=self.device)
+            rec.alloc_stream = compute
+            if rec.iteration == self.iteration:
+                self.resident_bytes += rec.nbytes
+        s.wait_stream(s.h2d, compute)
+        for rec in todo:
+            rec.copy_in(compute)
+
+    def _backward_started(self, iteration: int, layer: int) -> None:
+        with self._lock:
+            if iteration != self.iteration:
+                return  # a graph kept from an older iteration: its views reload on demand
+            self._backward_seen = True
+            self.events.append(("backward", layer))
+            for action, i in self.schedule.actions("backward", layer):
+                self._reload(self._records[i])
+                self.events.append(("reload_start", i))
+            self.resident_trace.append(("backward", layer, self.resident_bytes))
+
+    # ------------------------------------------------------------------ autograd hooks
+    def _pack(self, t: torch.Tensor) -> _Kept | _SavedView:
+        layer = self._layer
+        stats = self.stats[layer]
+        stats.saved_tensors += 1
+        if self._keep(t):
+            stats.kept_tensors += 1
+            return _Kept(t, layer)
+        if not self.schedule.is_offloaded(layer):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in self._seen[layer]:  # counted for the theory only
+                self._seen[layer].add(storage.data_ptr())
+                stats.candidate_bytes += storage.nbytes()
+            stats.kept_tensors += 1
+            return _Kept(t, layer)
+        with self._lock:
+            rec = self._record_for(t, layer)
+            if rec is None:
+                stats.kept_tensors += 1
+                return _Kept(t, layer)
+            stats.offloaded_tensors += 1
+            self.live_views += 1
+            return _SavedView(rec, t)
+
+    def _keep(self, t: torch.Tensor) -> bool:
+        """Whether a saved tensor stays on the device (see the docs' caveats page)."""
+        if t.device != self.device or _is_weight_like(t):
+            return True
+        if getattr(t, _KEEP_ATTR, False) or (t._base is not None and getattr(t._base, _KEEP_ATTR, False)):
+            return True
+        if type(t) is not torch.Tensor:
+            self._warn_once("subclass", f"tensor subclass {type(t).__name__} is not offloaded")
+            return True
+        if t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
+            return True
+        nbytes = t.untyped_storage().nbytes()
+        return nbytes == 0 or nbytes < self.min_offload_bytes
+
+    def _record_for(self, t: torch.Tensor, layer: int) -> _StorageRecord | None:
+        storage = t.untyped_storage()
+        known = self._by_storage[layer].get(storage.data_ptr())
+        if known is not None and known.device is not None and known.nbytes == storage.nbytes():
+            if known.version != t._version:
+                raise _in_place_error(layer)
+            return known
+        try:
+            host = self.pool.acquire(storage.nbytes())
+        except (HostMemoryLimitError, RuntimeError) as err:
+            self._warn_once("host", f"keeping saved tensors on the device: {err}")
+            return None
+        rec = _StorageRecord(self, layer, t, host)
+        rec.copy_out()
+        self._records[layer].append(rec)
+        self._by_storage[layer][storage.data_ptr()] = rec
+        self.stats[layer].offloaded_storages += 1
+        self.stats[layer].offloaded_bytes += rec.nbytes
+        self.stats[layer].candidate_bytes += rec.nbytes
+        self.resident_bytes += rec.nbytes
+        return rec
+
+    def _unpack(self, view: _SavedView | _Kept) -> torch.Tensor:
+        if isinstance(view, _Kept):
+            return view.unpack()
+        rec = view.record
+        if rec.aborted:
+            raise RuntimeError(
+                "this saved tensor belonged to a forward pass that raised an exception; "
+                "its memory was given back. Run the forward again before calling backward."
+            )
+        rec.check_version()
+        if rec.device is None:
+            self._warn_once(
+                "on_demand",
+                f"layer {rec.layer}'s saved tensors were reloaded on demand (no overlap): pass each "
+                "layer's output through sync() so reloads start ahead of time",
+            )
+            with self._lock:
+                self._reload([rec])
+        self.streams.wait(self.streams.current(), rec.reloaded)  # only this tensor's copy
+        return torch.empty(0, dtype=view.dtype, device=self.device).set_(
+            rec.device.untyped_storage(), view.offset, view.size, view.stride
+        )
+
+    def _view_dropped(self, rec: _StorageRecord) -> None:
+        with self._lock:
+            rec.views -= 1
+            if rec.iteration == self.iteration:
+                self.live_views -= 1
+            if rec.views == 0 and not rec.aborted:
+                if rec.device is not None and rec.iteration == self.iteration:
+                    self.resident_bytes -= rec.nbytes
+                rec.free()
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, OffloadWarning, stacklevel=3)
+
+
+def _grad_hook(engine_ref: weakref.ref, iteration: int, layer: int, grad: torch.Tensor) -> None:
+    engine = engine_ref()
+    if engine is not None:
+        engine._backward_started(iteration, layer)

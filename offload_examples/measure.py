@@ -1,0 +1,158 @@
+"""Run training steps with or without offloading and measure them the same way.
+
+Memory is CUDA's peak *allocated* bytes during the measured steps (what tensors really used, not
+what the caching allocator reserved). Time is measured with CUDA events on the compute stream,
+or with ``time.perf_counter`` on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["GradCheck", "Measurement", "compare_grads", "measure_steps", "resident_vs_theory", "training_step"]
+
+Progress = Callable[[str], None]
+
+
+def training_step(
+    layers: Iterable[nn.Module],
+    x: torch.Tensor,
+    ctx: contextlib.AbstractContextManager | None = None,
+    sync: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Forward every layer inside ``ctx`` (passing outputs through ``sync``), then backward.
+
+    Returns the detached output of the last layer.
+    """
+    ctx = ctx if ctx is not None else contextlib.nullcontext()
+    h = x
+    for layer in layers:
+        with ctx:
+            h = layer(h)
+        if sync is not None:
+            h = sync(h)
+    h.float().square().mean().backward()
+    return h.detach()
+
+
+@dataclass
+class Measurement:
+    """What :func:`measure_steps` saw.
+
+    Attributes
+    ----------
+    step_ms:
+        Wall time of each measured step, in milliseconds.
+    peak_bytes:
+        Peak CUDA memory allocated during the measured steps (``None`` on the CPU).
+    baseline_bytes:
+        CUDA memory allocated before the steps (weights and inputs).
+    output, grads:
+        The last step's output and gradients (parameters by name, and ``"input"``).
+    """
+
+    label: str
+    step_ms: list[float]
+    peak_bytes: int | None
+    baseline_bytes: int | None
+    output: torch.Tensor
+    grads: dict[str, torch.Tensor] = field(repr=False)
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.step_ms)
+
+
+def _zero_grads(model: nn.Module, x: torch.Tensor) -> None:
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+
+
+def measure_steps(
+    model: nn.ModuleList,
+    x: torch.Tensor,
+    ctx: contextlib.AbstractContextManager | None = None,
+    sync: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    *,
+    steps: int = 3,
+    warmup: int = 1,
+    label: str = "",
+    progress: Progress | None = None,
+) -> Measurement:
+    """Run ``warmup`` then ``steps`` training steps and measure the latter."""
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
+    cuda = x.is_cuda
+    times: list[float] = []
+    peak = baseline = None
+    for i in range(warmup + steps):
+        _zero_grads(model, x)
+        measured = i >= warmup
+        if cuda and i == warmup:
+            torch.cuda.synchronize()
+            baseline = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        if cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+        out = training_step(model, x, ctx, sync)
+        if cuda:
+            end.record()
+            end.synchronize()
+            ms = begin.elapsed_time(end)
+        else:
+            ms = (time.perf_counter() - start) * 1e3
+        if measured:
+            times.append(ms)
+        if progress is not None:
+            kind = "step" if measured else "warm-up"
+            progress(f"  [{label}] {kind} {i + 1}/{warmup + steps}: {ms:.1f} ms")
+    if cuda:
+        peak = torch.cuda.max_memory_allocated()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    if x.grad is not None:
+        grads["input"] = x.grad.detach().clone()
+    return Measurement(label, times, peak, baseline, out, grads)
+
+
+@dataclass
+class GradCheck:
+    """Result of comparing two runs' outputs and gradients bit for bit."""
+
+    equal: bool
+    compared: int
+    max_abs_diff: float
+    mismatched: list[str]
+
+
+def compare_grads(a: Measurement, b: Measurement) -> GradCheck:
+    """Compare outputs and every gradient of two measurements exactly (``rtol=0, atol=0``)."""
+    if a.grads.keys() != b.grads.keys():
+        raise ValueError(f"the runs have different gradients: {sorted(a.grads.keys() ^ b.grads.keys())}")
+    pairs = {"output": (a.output, b.output), **{k: (a.grads[k], b.grads[k]) for k in a.grads}}
+    mismatched, worst = [], 0.0
+    for name, (x, y) in pairs.items():
+        if not torch.equal(x, y):
+            mismatched.append(name)
+            if x.shape == y.shape:
+                worst = max(worst, (x.float() - y.float()).abs().max().item())
+            else:
+                worst = float("inf")
+    return GradCheck(not mismatched, len(pairs), worst, mismatched)
+
+
+def resident_vs_theory(engine) -> list[tuple[str, int, int, int]]:
+    """Pair the engine's resident offloadable bytes with the schedule's prediction.
+
+    Returns ``(phase, layer, measured, expected)`` for each phase of the last iteration.
+    """
+    expected = {(phase, j): offloaded for phase, j, offloaded, _ in engine.theoretical().points}
+    return [(phase, j, got, expected.get((phase, j), -1)) for phase, j, got in engine.resident_trace]

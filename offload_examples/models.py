@@ -1,0 +1,89 @@
+"""Small models the scenarios and tests offload: plain PyTorch, with Transformer Engine when present."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Literal
+
+import torch
+from torch import nn
+
+__all__ = ["BasicLayer", "build_basic_model", "build_linear_stack", "has_transformer_engine"]
+
+LayerKind = Literal["auto", "torch", "te"]
+
+
+def has_transformer_engine() -> bool:
+    """Whether ``transformer_engine.pytorch`` can be imported (without importing it)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def _transformer_layer(hidden: int, heads: int, ffn: int, kind: LayerKind) -> nn.Module:
+    if kind == "auto":
+        kind = "te" if has_transformer_engine() and torch.cuda.is_available() else "torch"
+    if kind == "te":
+        import transformer_engine.pytorch as te
+
+        return te.TransformerLayer(
+            hidden, ffn, heads, hidden_dropout=0.0, attention_dropout=0.0, attn_input_format="bshd"
+        )
+    if kind != "torch":
+        raise ValueError(f"layer kind must be 'auto', 'torch' or 'te', got {kind!r}")
+    return nn.TransformerEncoderLayer(
+        hidden, heads, ffn, dropout=0.0, batch_first=True, norm_first=True, activation="gelu"
+    )
+
+
+class BasicLayer(nn.Module):
+    """The basic scenario's layer: an ``nn.Linear`` followed by a transformer layer.
+
+    Parameters
+    ----------
+    hidden, heads, ffn:
+        Model width, attention heads and feed-forward width.
+    kind:
+        ``"torch"`` for ``nn.TransformerEncoderLayer`` (pre-norm, no dropout), ``"te"`` for
+        Transformer Engine's ``TransformerLayer``, ``"auto"`` for TE when it is installed and a
+        GPU is present.
+    """
+
+    def __init__(self, hidden: int, heads: int, ffn: int, kind: LayerKind = "auto"):
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+        self.transformer = _transformer_layer(hidden, heads, ffn, kind)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.transformer(self.linear(x))
+
+
+def build_basic_model(
+    num_layers: int,
+    hidden: int,
+    heads: int,
+    ffn: int,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    kind: LayerKind = "auto",
+    seed: int = 0,
+) -> nn.ModuleList:
+    """``num_layers`` :class:`BasicLayer` s with weights drawn from ``seed``."""
+    for name, value in (("num_layers", num_layers), ("hidden", hidden), ("heads", heads), ("ffn", ffn)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if hidden % heads:
+        raise ValueError(f"hidden={hidden} must be divisible by heads={heads}")
+    torch.manual_seed(seed)
+    layers = nn.ModuleList(BasicLayer(hidden, heads, ffn, kind) for _ in range(num_layers))
+    return layers.to(device=device, dtype=dtype)
+
+
+def build_linear_stack(
+    num_layers: int, width: int, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0
+) -> nn.ModuleList:
+    """``num_layers`` blocks of ``Linear -> GELU -> Linear``: the smallest model worth offloading."""
+    torch.manual_seed(seed)
+    layers = nn.ModuleList(
+        nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)) for _ in range(num_layers)
+    )
+    return layers.to(device=device, dtype=dtype)

@@ -1,0 +1,3 @@
+"""Runnable scenarios, one module each; ``python -m offload_examples <name>`` runs one."""
+
+SCENARIOS = {"basic": "offload_examples.scenarios.basic"}

@@ -1,0 +1,38 @@
+"""Shared fixtures. GPU tests carry the ``gpu`` marker: they run wherever CUDA is available, are
+skipped where it is not, and fail instead of skipping when ``OFFLOAD_EXAMPLES_REQUIRE_GPU=1``."""
+
+from __future__ import annotations
+
+import os
+
+# cuBLAS reads this when its first handle is made: set it before any test touches CUDA so that
+# GPU runs are bit-for-bit reproducible (the bitwise gradient tests depend on it).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    if os.environ.get("OFFLOAD_EXAMPLES_REQUIRE_GPU") == "1":
+        fail = pytest.mark.usefixtures("_require_gpu")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(fail)
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (set OFFLOAD_EXAMPLES_REQUIRE_GPU=1 to fail instead)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def _require_gpu() -> None:
+    pytest.fail("OFFLOAD_EXAMPLES_REQUIRE_GPU=1 but CUDA is not available")
+
+
+@pytest.fixture
+def cuda() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())

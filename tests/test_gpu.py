@@ -1,0 +1,73 @@
+"""GPU checks: real memory against theory, bitwise bf16 gradients, pinned-buffer reuse.
+
+Marked ``gpu``: they run wherever CUDA is available. Set ``OFFLOAD_EXAMPLES_RESULTS=DIR`` to keep
+each test's report as JSON.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from offload_examples import get_cpu_offload_context
+from offload_examples.measure import compare_grads, measure_steps
+from offload_examples.models import build_linear_stack
+from offload_examples.report import write_json
+from offload_examples.scenarios.basic import BasicConfig, format_report, run
+
+pytestmark = pytest.mark.gpu
+
+
+def keep(name: str, report: dict) -> None:
+    if os.environ.get("OFFLOAD_EXAMPLES_RESULTS"):
+        write_json(os.path.join(os.environ["OFFLOAD_EXAMPLES_RESULTS"], f"{name}.json"), report)
+
+
+@pytest.fixture(scope="module")
+def basic_report():
+    report = run(BasicConfig(), "cuda", progress=print)
+    print(format_report(report))
+    keep("gpu_basic", {k: v for k, v in report.items() if k != "events"})
+    return report
+
+
+def test_basic_saving_is_at_least_95_percent_of_theory(basic_report):
+    r = basic_report
+    assert r["theoretical_saving_bytes"] > 2**30  # a multi-GB saving at the default size
+    assert r["saving_ratio"] >= 0.95, f"measured {r['saving_bytes']} vs theory {r['theoretical_saving_bytes']}"
+
+
+def test_basic_gpu_plus_host_bytes_equal_the_no_offload_peak(basic_report):
+    r = basic_report
+    total = r["peak_with_bytes"] + r["offloaded_bytes"]
+    assert abs(total - r["peak_without_bytes"]) <= 0.01 * r["peak_without_bytes"]
+
+
+def test_basic_bf16_grads_bitwise_equal(basic_report):
+    assert basic_report["config"]["dtype"] == "bfloat16"
+    assert basic_report["grads_equal"], basic_report["max_abs_diff"]
+    assert basic_report["resident_matches_theory"]
+
+
+def test_linear_stack_bf16_grads_bitwise_equal(cuda):
+    model = build_linear_stack(6, 1024, device=cuda, dtype=torch.bfloat16)
+    x = torch.randn(8, 512, 1024, device=cuda, dtype=torch.bfloat16, requires_grad=True)
+    ref = measure_steps(model, x, steps=2, warmup=1)
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=5, model_layers=6)
+    got = measure_steps(model, x, ctx, sync, steps=2, warmup=1)
+    check = compare_grads(ref, got)
+    assert check.equal, (check.mismatched, check.max_abs_diff)
+    assert got.peak_bytes < ref.peak_bytes
+
+
+def test_retained_pinned_buffers_are_not_reallocated(cuda):
+    model = build_linear_stack(4, 512, device=cuda, dtype=torch.bfloat16)
+    x = torch.randn(4, 256, 512, device=cuda, dtype=torch.bfloat16, requires_grad=True)
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=3, model_layers=4, retain_pinned_cpu_buffers=True)
+    measure_steps(model, x, ctx, sync, steps=1, warmup=0)
+    first, held = ctx.pool.allocations, ctx.pool.held_bytes
+    assert first > 0 and all(b.data.is_pinned() for bufs in ctx.pool._free.values() for b in bufs)
+    measure_steps(model, x, ctx, sync, steps=5, warmup=0)
+    assert (ctx.pool.allocations, ctx.pool.held_bytes) == (first, held)

@@ -1,0 +1,192 @@
+"""Bad input and misuse: each gets a clear error or correct gradients, never a hang or a wrong result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from offload_examples import OffloadWarning, get_cpu_offload_context
+from offload_examples.measure import training_step
+from offload_examples.models import build_basic_model, build_linear_stack
+
+CPU = torch.device("cpu")
+
+
+def offload(k: int, n: int, **kw):
+    return get_cpu_offload_context(enabled=True, num_layers=k, model_layers=n, device=CPU, **kw)
+
+
+def data(seed: int = 0) -> torch.Tensor:
+    return torch.randn(4, 16, generator=torch.Generator().manual_seed(seed)).requires_grad_()
+
+
+def grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    out = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    return out
+
+
+@pytest.mark.parametrize(
+    "k,n,error,match",
+    [
+        (3, 3, ValueError, "between 0 and model_layers - 1"),
+        (5, 3, ValueError, "between 0 and model_layers - 1"),
+        (-1, 3, ValueError, "between 0"),
+        (0, 0, ValueError, "model_layers must be >= 1"),
+        (0, -2, ValueError, "model_layers must be >= 1"),
+        (1.5, 3, TypeError, "num_layers must be an int"),
+        (1, "3", TypeError, "model_layers must be an int"),
+    ],
+)
+def test_bad_layer_counts(k, n, error, match):
+    with pytest.raises(error, match=match):
+        offload(k, n)
+
+
+@pytest.mark.parametrize(
+    "kw,error,match",
+    [
+        (dict(min_offload_bytes=-1), ValueError, "min_offload_bytes"),
+        (dict(host_memory_limit=-5), ValueError, "host memory limit"),
+        (dict(offload_weights=True), NotImplementedError, "offload_weights"),
+        (dict(offload_activations=False), ValueError, "nothing to offload"),
+        (dict(manual_synchronization=True), NotImplementedError, "manual_synchronization"),
+        (dict(offload_stream=object()), ValueError, "offload_stream"),
+    ],
+)
+def test_bad_options(kw, error, match):
+    with pytest.raises(error, match=match):
+        offload(1, 2, **kw)
+
+
+@pytest.mark.parametrize("field", ["num_layers", "hidden", "heads", "ffn"])
+def test_negative_model_sizes(field):
+    sizes = dict(num_layers=2, hidden=8, heads=2, ffn=16, kind="torch")
+    sizes[field] = -1
+    with pytest.raises(ValueError, match=field if field != "num_layers" else "num_layers"):
+        build_basic_model(**sizes)
+
+
+def test_sync_inside_the_context():
+    ctx, sync = offload(1, 2)
+    with ctx, pytest.raises(RuntimeError, match="after leaving the offload context"):
+        sync(nn.Linear(16, 16)(data()))
+
+
+def test_sync_with_a_non_tensor():
+    ctx, sync = offload(1, 2)
+    with ctx:
+        y = nn.Linear(16, 16)(data())
+    with pytest.raises(TypeError, match="got tuple"):
+        sync((y,))
+
+
+def test_sync_before_any_layer():
+    _, sync = offload(1, 2)
+    with pytest.raises(RuntimeError, match="before any layer"):
+        sync(data())
+
+
+def test_nested_context():
+    ctx, _ = offload(1, 2)
+    with ctx, pytest.raises(RuntimeError, match="cannot be nested"):
+        with ctx:
+            pass
+
+
+def test_entering_more_than_model_layers_times():
+    model, x = build_linear_stack(3, 16), data()
+    ctx, sync = offload(1, 2)
+    with pytest.raises(RuntimeError, match="more than model_layers=2 times"):
+        training_step(model, x, ctx, sync)
+
+
+def test_retain_graph_then_second_backward():
+    model, x = build_linear_stack(4, 16), data()
+
+    def twice(ctx=None, sync=None):
+        h = x
+        for layer in model:
+            with ctx or torch.enable_grad():
+                h = layer(h)
+            h = sync(h) if sync else h
+        loss = h.square().sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return grads(model, x)
+
+    expected = twice()
+    ctx, sync = offload(3, 4)
+    for _ in range(2):  # and the next iteration still works
+        assert all(torch.equal(a, b) for a, b in zip(expected, twice(ctx, sync)))
+
+
+def test_exception_in_a_layer_frees_everything_and_recovers():
+    model, x = build_linear_stack(3, 16), data()
+    training_step(model, x)
+    expected = grads(model, x)
+    ctx, sync = offload(2, 3)
+
+    class Boom(Exception):
+        pass
+
+    h = x
+    with pytest.raises(Boom):
+        for i, layer in enumerate(model):
+            with ctx:
+                h = layer(h)
+                if i == 1:
+                    raise Boom
+            h = sync(h)
+    assert all(not rec.host and rec.device is None for rs in ctx._records for rec in rs)  # new iteration
+    assert ctx.pool.held_bytes == ctx.pool.free_bytes  # every buffer came back
+    with pytest.raises(RuntimeError, match="forward pass that raised"):
+        h.sum().backward()  # the stale graph says why it cannot run
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    training_step(model, x, ctx, sync)
+    assert all(torch.equal(a, b) for a, b in zip(expected, grads(model, x)))
+
+
+class InPlaceAfterSave(nn.Module):
+    def forward(self, x):
+        h = x * 2
+        y = h.sin()  # saves h
+        h.add_(1)  # ... which is then changed
+        return y
+
+
+@pytest.mark.parametrize("k,min_bytes", [(1, 0), (1, 10**6), (0, 0)], ids=["offloaded", "small", "layer-kept"])
+def test_in_place_change_of_a_saved_tensor_is_an_error(k, min_bytes):
+    """Saved-tensor hooks switch off autograd's own check: the engine must do it, for every tensor."""
+    ctx, sync = offload(k, 3, min_offload_bytes=min_bytes)
+    h = data()
+    with pytest.raises(RuntimeError, match="modified in place"):
+        for layer in [InPlaceAfterSave(), nn.Identity(), nn.Identity()]:
+            with ctx:
+                h = layer(h)
+            h = sync(h)
+        h.sum().backward()
+
+
+def test_missing_sync_reloads_on_demand_with_a_warning():
+    model, x = build_linear_stack(3, 16), data()
+    training_step(model, x)
+    expected = grads(model, x)
+    ctx, _ = offload(2, 3)
+    with pytest.warns(OffloadWarning, match="on demand"):
+        training_step(model, x, ctx, sync=None)
+    assert all(torch.equal(a, b) for a, b in zip(expected, grads(model, x)))
+
+
+def test_host_memory_limit_keeps_tensors_on_device():
+    model, x = build_linear_stack(3, 16), data()
+    training_step(model, x)
+    expected = grads(model, x)
+    ctx, sync = offload(2, 3, host_memory_limit=2048)
+    with pytest.warns(OffloadWarning, match="host memory limit"):
+        training_step(model, x, ctx, sync)
+    assert ctx.pool.peak_bytes <= 2048
+    assert all(torch.equal(a, b) for a, b in zip(expected, grads(model, x)))

@@ -1,0 +1,42 @@
+"""Every scenario runs from the command line, small, on the CPU, and reports correct results."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from offload_examples.scenarios import SCENARIOS
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_scenario_cli_runs_small_and_is_correct(name, tmp_path):
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "offload_examples", name, "--small", "--device", "cpu", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "bitwise equal" in proc.stdout  # the table was printed
+    report = json.loads(out.read_text())
+    assert report["grads_equal"] is True
+    assert report["resident_matches_theory"] is True
+    assert report["offloaded_bytes"] > 0
+
+
+def test_basic_report_numbers_are_consistent():
+    from offload_examples.scenarios.basic import BasicConfig, format_report, run
+
+    report = run(BasicConfig.small(layers=5, offload=3), "cpu", progress=None)
+    per_layer = report["offloaded_bytes_per_layer"]
+    assert all(b > 0 for b in per_layer[:3]) and not any(per_layer[3:])
+    assert report["theoretical_saving_bytes"] == report["offloaded_bytes"] == sum(per_layer)
+    assert report["peak_with_bytes"] is None and report["saving_ratio"] is None  # no CUDA: no fake numbers
+    assert "n/a (no CUDA)" in format_report(report)
+
+
+def test_unknown_scenario_is_a_clear_error():
+    proc = subprocess.run([sys.executable, "-m", "offload_examples", "nope"], capture_output=True, text=True)
+    assert proc.returncode != 0 and "unknown scenario 'nope'" in proc.stderr
