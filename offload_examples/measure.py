@@ -11,12 +11,15 @@ import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
-__all__ = ["GradCheck", "Measurement", "compare_grads", "measure_steps", "resident_vs_theory", "training_step"]
+__all__ = [
+    "GradCheck", "Measurement", "compare_grads", "deterministic_kernels", "measure_steps", "resident_vs_theory",
+    "training_step",
+]
 
 Progress = Callable[[str], None]
 
@@ -55,7 +58,8 @@ class Measurement:
     baseline_bytes:
         CUDA memory allocated before the steps (weights and inputs).
     output, grads:
-        The last step's output and gradients (parameters by name, and ``"input"``).
+        The last step's output and gradients (parameters by name, and ``"input"``), copied to
+        host memory so that keeping them does not change the next measurement's peak.
     """
 
     label: str
@@ -68,6 +72,11 @@ class Measurement:
     @property
     def median_ms(self) -> float:
         return statistics.median(self.step_ms)
+
+    @property
+    def activation_peak_bytes(self) -> int | None:
+        """Peak minus baseline: what the steps themselves added on top of weights and inputs."""
+        return None if self.peak_bytes is None else self.peak_bytes - self.baseline_bytes
 
 
 def _zero_grads(model: nn.Module, x: torch.Tensor) -> None:
@@ -117,10 +126,30 @@ def measure_steps(
             progress(f"  [{label}] {kind} {i + 1}/{warmup + steps}: {ms:.1f} ms")
     if cuda:
         peak = torch.cuda.max_memory_allocated()
-    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    grads = {name: p.grad.to("cpu", copy=True) for name, p in model.named_parameters() if p.grad is not None}
     if x.grad is not None:
-        grads["input"] = x.grad.detach().clone()
-    return Measurement(label, times, peak, baseline, out, grads)
+        grads["input"] = x.grad.to("cpu", copy=True)
+    _zero_grads(model, x)
+    return Measurement(label, times, peak, baseline, out.to("cpu", copy=True), grads)
+
+
+@contextlib.contextmanager
+def deterministic_kernels() -> Iterator[None]:
+    """Run only kernels that give bit-identical results from run to run.
+
+    Flash and cuDNN attention accumulate gradients with atomics, so two identical backward
+    passes differ in the last bits with or without offloading; the memory-efficient and math
+    attention kernels do not. Bitwise comparisons run inside this block; timings do not.
+    """
+    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
 
 
 @dataclass

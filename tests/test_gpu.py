@@ -71,3 +71,24 @@ def test_retained_pinned_buffers_are_not_reallocated(cuda):
     assert first > 0 and all(b.data.is_pinned() for bufs in ctx.pool._free.values() for b in bufs)
     measure_steps(model, x, ctx, sync, steps=5, warmup=0)
     assert (ctx.pool.allocations, ctx.pool.held_bytes) == (first, held)
+
+
+def test_no_host_synchronisation_on_the_hot_path(cuda):
+    """CUDA's sync debug mode raises on any call that makes the host wait for the device."""
+    model = build_linear_stack(4, 512, device=cuda, dtype=torch.bfloat16)
+    x = torch.randn(4, 256, 512, device=cuda, dtype=torch.bfloat16, requires_grad=True)
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=3, model_layers=4, retain_pinned_cpu_buffers=True)
+    measure_steps(model, x, ctx, sync, steps=1, warmup=0)  # first step pins host memory
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            h = x
+            for layer in model:
+                with ctx:
+                    h = layer(h)
+                h = sync(h)
+            h.sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert ctx.offloaded_bytes > 0 and ctx.events[-1] == ("backward", 0)
