@@ -138,13 +138,15 @@ def deterministic_kernels() -> Iterator[None]:
     """Run only kernels that give bit-identical results from run to run.
 
     Flash and cuDNN attention accumulate gradients with atomics, so two identical backward
-    passes differ in the last bits with or without offloading; the memory-efficient and math
-    attention kernels do not. Bitwise comparisons run inside this block; timings do not.
+    passes differ in the last bits with or without offloading. Inside this block attention uses
+    the memory-efficient kernel (or math), and PyTorch's deterministic mode makes it, and every
+    other op, take its deterministic algorithm or raise. Bitwise comparisons run inside this
+    block; timings do not.
     """
     previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.use_deterministic_algorithms(True)
     try:
         with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
             yield

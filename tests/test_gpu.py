@@ -91,4 +91,4 @@ def test_no_host_synchronisation_on_the_hot_path(cuda):
             h.sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert ctx.offloaded_bytes > 0 and ctx.events[-1] == ("backward", 0)
+    assert ctx.offloaded_bytes > 0 and ("backward", 0) in ctx.events[-2:]  # both steps ran through
