@@ -12,8 +12,9 @@ VENV_FLAGS ?=
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DOCS_OUT ?= _build/html
 
-.PHONY: setup run test test-gpu clean
+.PHONY: setup browser run test test-gpu docs notebooks clean
 
 setup: $(STAMP)
 
@@ -23,14 +24,27 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $@
 
+# The docs test drives a real browser: Debian's chromium and chromedriver.
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+	  echo "installing chromium and chromedriver for the browser test"; \
+	  SUDO=$$(test "$$(id -u)" = 0 || echo sudo); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver >/dev/null; }
+
 run: $(STAMP)  ## the basic scenario and its report (full size on a GPU, small on a CPU)
 	$(PY) -m offload_examples basic --json results/basic.json
 
-test: $(STAMP)  ## the whole test suite (GPU tests run too when CUDA is present)
+test: $(STAMP) browser  ## the whole test suite (GPU tests run too when CUDA is present)
 	$(PY) -m pytest
 
 test-gpu: $(STAMP)  ## GPU tests only, failing if CUDA is missing
 	OFFLOAD_EXAMPLES_REQUIRE_GPU=1 $(PY) -m pytest -m gpu
 
+docs: $(STAMP)  ## build the site with warnings as errors (renders the notebooks' stored outputs)
+	$(PY) -m sphinx -W --keep-going -b html . $(DOCS_OUT)
+
+notebooks: $(STAMP)  ## re-execute every notebook in place at full size (on a GPU node)
+	$(PY) -m offload_examples.notebooks notebooks/*.ipynb --inplace
+
 clean:
-	rm -rf $(VENV) results build *.egg-info
+	rm -rf $(VENV) results _build build *.egg-info

@@ -257,6 +257,8 @@ class OffloadEngine:
         self.pool = HostBufferPool(
             pin_memory=device.type == "cuda", retain=retain_pinned_cpu_buffers, limit_bytes=host_memory_limit
         )
+        #: Set to ``True`` to log ``torch.cuda.memory_allocated()`` at each phase in :attr:`memory_trace`.
+        self.record_memory = False
         self._lock = threading.RLock()  # views die and backward hooks run on autograd's threads
         self._warned: set[str] = set()
         self.iteration = -1
@@ -304,6 +306,8 @@ class OffloadEngine:
             #: ``(phase, layer, bytes)``: offloadable bytes on the device at the end of each
             #: forward and at the start of each backward, as :meth:`DefaultSchedule.simulate` counts.
             self.resident_trace: list[tuple[str, int, int]] = []
+            #: ``(phase, layer, bytes allocated on the device)`` when :attr:`record_memory` is set.
+            self.memory_trace: list[tuple[str, int, int]] = []
             self.resident_bytes = 0
             self.live_views = 0
             self._entered = 0
@@ -336,6 +340,7 @@ class OffloadEngine:
             for action, i in self.schedule.actions("forward", j):
                 self._release(i)
             self.events.append(("forward", j))
+            self._note_memory("forward", j)
         self._layer = j
         self._in_layer = True
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -403,6 +408,7 @@ class OffloadEngine:
                 self._reload(self._records[i])
                 self.events.append(("reload_start", i))
             self.resident_trace.append(("backward", layer, self.resident_bytes))
+            self._note_memory("backward", layer)
 
     # ------------------------------------------------------------------ autograd hooks
     def _pack(self, t: torch.Tensor) -> _Kept | _SavedView:
@@ -496,6 +502,10 @@ class OffloadEngine:
                 if rec.device is not None and rec.iteration == self.iteration:
                     self.resident_bytes -= rec.nbytes
                 rec.free()
+
+    def _note_memory(self, phase: str, layer: int) -> None:
+        if self.record_memory and self.streams.is_cuda:
+            self.memory_trace.append((phase, layer, torch.cuda.memory_allocated(self.device)))
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

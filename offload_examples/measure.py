@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 __all__ = [
-    "GradCheck", "Measurement", "compare_grads", "deterministic_kernels", "measure_steps", "resident_vs_theory",
+    "GradCheck", "Measurement", "compare_grads", "deterministic_kernels", "measure_steps", "memory_by_phase",
+    "resident_vs_theory",
     "training_step",
 ]
 
@@ -187,3 +188,20 @@ def resident_vs_theory(engine) -> list[tuple[str, int, int, int]]:
     """
     expected = {(phase, j): offloaded for phase, j, offloaded, _ in engine.theoretical().points}
     return [(phase, j, got, expected.get((phase, j), -1)) for phase, j, got in engine.resident_trace]
+
+
+def memory_by_phase(model: nn.ModuleList, x: torch.Tensor, ctx, sync) -> list[tuple[str, int, int]]:
+    """CUDA memory allocated at the start of every layer's forward and backward, for one step.
+
+    ``ctx`` must be an :class:`~offload_examples.engine.OffloadEngine` (use ``num_layers=0`` for a
+    run without offloading through the same hooks). A first step warms up; the second is traced.
+    """
+    ctx.record_memory = True
+    try:
+        for _ in range(2):
+            _zero_grads(model, x)
+            training_step(model, x, ctx, sync)
+        return list(ctx.memory_trace)
+    finally:
+        ctx.record_memory = False
+        _zero_grads(model, x)

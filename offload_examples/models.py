@@ -8,7 +8,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-__all__ = ["BasicLayer", "build_basic_model", "build_linear_stack", "has_transformer_engine"]
+__all__ = ["BasicLayer", "Checkpointed", "build_basic_model", "build_linear_stack", "has_transformer_engine"]
 
 LayerKind = Literal["auto", "torch", "te"]
 
@@ -87,3 +87,20 @@ def build_linear_stack(
         nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)) for _ in range(num_layers)
     )
     return layers.to(device=device, dtype=dtype)
+
+
+class Checkpointed(nn.Module):
+    """Wrap a layer in activation recomputation (``torch.utils.checkpoint``, non-reentrant).
+
+    Only the layer's input is kept for backward; its forward runs again during backward.
+    Used to compare recomputation with offloading on the same layers.
+    """
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.layer, x, use_reentrant=False)

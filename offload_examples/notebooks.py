@@ -1,0 +1,120 @@
+"""Execute the tutorial notebooks with injected parameters (``python -m offload_examples.notebooks``).
+
+Each notebook has a first code cell tagged ``parameters``. To run it with other values, a cell
+tagged ``injected-parameters`` is placed right after it (the convention papermill uses), then the
+notebook is executed top to bottom with ``nbclient``. Needs the ``notebooks`` extra.
+
+Examples
+--------
+Re-execute every notebook in place at full size on a GPU node (what ``make notebooks`` does)::
+
+    python -m offload_examples.notebooks notebooks/*.ipynb --inplace
+
+Run one small on the CPU, writing its results::
+
+    python -m offload_examples.notebooks notebooks/02_basic.ipynb -p device cpu -p size small -o /tmp/out.ipynb
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+__all__ = ["execute_notebook", "has_outputs"]
+
+INJECTED = "injected-parameters"
+
+
+def _inject(nb, parameters: Mapping[str, Any]) -> None:
+    import nbformat
+
+    nb.cells = [c for c in nb.cells if INJECTED not in c.get("metadata", {}).get("tags", [])]
+    index = next((i for i, c in enumerate(nb.cells) if "parameters" in c.get("metadata", {}).get("tags", [])), None)
+    if index is None:
+        raise ValueError("the notebook has no cell tagged 'parameters'")
+    if parameters:
+        source = "# Injected parameters\n" + "\n".join(f"{k} = {v!r}" for k, v in parameters.items())
+        cell = nbformat.v4.new_code_cell(source, metadata={"tags": [INJECTED]})
+        nb.cells.insert(index + 1, cell)
+
+
+def execute_notebook(
+    path: str | Path,
+    parameters: Mapping[str, Any] | None = None,
+    output: str | Path | None = None,
+    *,
+    timeout: int = 1800,
+    kernel_name: str = "python3",
+) -> Path:
+    """Execute ``path`` with ``parameters`` and write the executed notebook to ``output``.
+
+    ``output`` defaults to ``path`` itself (in place). The working directory is the notebook's
+    folder. Raises ``nbclient.exceptions.CellExecutionError`` naming the failing cell.
+    """
+    import nbclient
+    import nbformat
+
+    path = Path(path)
+    nb = nbformat.read(path, as_version=4)
+    _inject(nb, dict(parameters or {}))
+    start = time.perf_counter()
+    client = nbclient.NotebookClient(
+        nb, timeout=timeout, kernel_name=kernel_name, resources={"metadata": {"path": str(path.parent)}}
+    )
+    client.execute()
+    stamp = nb.metadata.setdefault("offload_examples", {})
+    stamp["executed_seconds"] = round(time.perf_counter() - start, 1)
+    stamp["device"] = _device_name()
+    stamp["parameters"] = dict(parameters or {})
+    out = Path(output) if output else path
+    out.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, out)
+    return out
+
+
+def _device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def has_outputs(path: str | Path) -> bool:
+    """Whether every code cell of a notebook was executed and at least one produced output."""
+    import nbformat
+
+    nb = nbformat.read(Path(path), as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    return bool(code) and all(c.execution_count for c in code) and any(c.outputs for c in code)
+
+
+def _literal(text: str) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m offload_examples.notebooks", description=__doc__.split("\n")[0])
+    parser.add_argument("notebooks", nargs="+", type=Path)
+    parser.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"))
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--inplace", action="store_true", help="overwrite each notebook with its executed copy")
+    where.add_argument("-o", "--output", type=Path, help="output file (one notebook) or folder (several)")
+    args = parser.parse_args(argv)
+    params = {k: _literal(v) for k, v in args.parameter}
+    for nb in args.notebooks:
+        out = None
+        if args.output:
+            out = args.output / nb.name if len(args.notebooks) > 1 or args.output.is_dir() else args.output
+        print(f"executing {nb} {params or ''}", flush=True)
+        start = time.perf_counter()
+        done = execute_notebook(nb, params, out)
+        print(f"  wrote {done} in {time.perf_counter() - start:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""The documentation builds with warnings as errors, and a real browser can read it."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import re
+import runpy
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from urllib.parse import urljoin, urldefrag, urlparse
+from urllib.request import urlopen
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("html")
+    proc = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(ROOT), str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return out
+
+
+def test_docs_build_without_warnings(site):
+    for page in ("docs/index", "docs/quickstart", "docs/api", "notebooks/01_concepts", "notebooks/02_basic"):
+        assert (site / f"{page}.html").is_file(), page
+
+
+def test_quickstart_snippet_runs(capsys):
+    runpy.run_path(str(ROOT / "docs" / "snippets" / "quickstart.py"), run_name="__main__")
+    assert "theoretical peak-memory saving" in capsys.readouterr().out
+
+
+def test_readme_example_runs():
+    """The README's API example, with two small layers and an input around it."""
+    import torch
+
+    code = re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    layers = [torch.nn.Linear(64, 64) for _ in range(20)]
+    x = torch.randn(8, 64, requires_grad=True)
+    exec(compile(code, "README.md", "exec"), {"layers": layers, "x": x})
+    assert all(layer.weight.grad is not None for layer in layers)
+
+
+@pytest.fixture(scope="module")
+def server(site):
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(site))
+    handler.log_message = lambda *a: None
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/"
+    httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (chromium and driver):
+        pytest.fail("the browser test needs Debian's chromium and chromium-driver (`make test` installs them)")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = chromium
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", "--window-size=1280,900"):
+        opts.add_argument(flag)
+    b = webdriver.Chrome(options=opts, service=Service(driver))
+    yield b
+    b.quit()
+
+
+def test_every_page_renders_with_images_and_links(site, server, browser):
+    pages = sorted(p.relative_to(site).as_posix() for p in site.rglob("*.html")
+                   if not p.relative_to(site).parts[0].startswith(("_", ".")) and p.name not in ("search.html", "genindex.html"))
+    assert len(pages) >= 8
+    images_seen, checked = 0, set()
+    for page in pages:
+        url = urljoin(server, page)
+        browser.get(url)
+        assert browser.execute_script("return document.readyState") == "complete"
+        heading = browser.execute_script("const h = document.querySelector('article h1'); return h && h.textContent")
+        assert heading, f"{page}: no heading rendered"
+        broken = browser.execute_script(
+            "return [...document.images].filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src)")
+        assert not broken, f"{page}: images that did not load: {broken}"
+        images_seen += browser.execute_script("return document.querySelectorAll('article img').length")
+        for href in browser.execute_script("return [...document.querySelectorAll('a[href]')].map(a => a.href)"):
+            target, fragment = urldefrag(href)
+            if urlparse(target).netloc != urlparse(server).netloc or (target, fragment) in checked:
+                continue
+            checked.add((target, fragment))
+            with urlopen(target) as r:
+                assert r.status == 200, f"{page}: broken link {href}"
+                body = r.read().decode("utf-8", "replace")
+            if fragment:
+                assert f'id="{fragment}"' in body, f"{page}: link to a missing anchor {href}"
+    assert images_seen >= 5, "the notebooks' plots and the schedule picture should be on the site"
