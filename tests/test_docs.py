@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import http.server
 import re
 import runpy
@@ -31,13 +32,22 @@ def site(tmp_path_factory) -> Path:
 
 
 def test_docs_build_without_warnings(site):
-    for page in ("docs/index", "docs/quickstart", "docs/api", "notebooks/01_concepts", "notebooks/02_basic"):
+    pages = ["docs/index", *(f"docs/{p.stem}" for p in (ROOT / "docs").glob("*.md")), *(f"notebooks/{p.stem}" for p in (ROOT / "notebooks").glob("*.ipynb"))]
+    for page in pages:
         assert (site / f"{page}.html").is_file(), page
 
 
-def test_quickstart_snippet_runs(capsys):
-    runpy.run_path(str(ROOT / "docs" / "snippets" / "quickstart.py"), run_name="__main__")
-    assert "theoretical peak-memory saving" in capsys.readouterr().out
+@pytest.mark.parametrize("snippet", sorted((ROOT / "docs" / "snippets").glob("*.py")), ids=lambda p: p.name)
+def test_docs_snippet_runs(snippet, capsys):
+    runpy.run_path(str(snippet), run_name="__main__")
+    assert capsys.readouterr().out.strip(), "a snippet shows its result"
+
+
+def test_docs_code_blocks_come_from_tested_files():
+    """Code on the site is either included from a file the tests run, or not Python at all."""
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        for lang in re.findall(r"^```[ \t]*(\S*)", page.read_text(), re.M):
+            assert not lang or lang.startswith("{"), f"{page.name}: inline ```{lang} block; use literalinclude"
 
 
 def test_readme_example_runs():
@@ -94,7 +104,9 @@ def test_every_page_renders_with_images_and_links(site, server, browser):
         broken = browser.execute_script(
             "return [...document.images].filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src)")
         assert not broken, f"{page}: images that did not load: {broken}"
-        images_seen += browser.execute_script("return document.querySelectorAll('article img').length")
+        shown = browser.execute_script("return document.querySelectorAll('article img').length")
+        assert shown >= _stored_images(page), f"{page}: shows {shown} images, its notebook stores more"
+        images_seen += shown
         for href in browser.execute_script("return [...document.querySelectorAll('a[href]')].map(a => a.href)"):
             target, fragment = urldefrag(href)
             if urlparse(target).netloc != urlparse(server).netloc or (target, fragment) in checked:
@@ -105,4 +117,13 @@ def test_every_page_renders_with_images_and_links(site, server, browser):
                 body = r.read().decode("utf-8", "replace")
             if fragment:
                 assert f'id="{fragment}"' in body, f"{page}: link to a missing anchor {href}"
-    assert images_seen >= 5, "the notebooks' plots and the schedule picture should be on the site"
+    assert images_seen >= 1 + sum(_stored_images(f"notebooks/{nb.stem}.html") for nb in (ROOT / "notebooks").glob("*.ipynb"))
+
+
+def _stored_images(page: str) -> int:
+    """How many images the notebook behind ``page`` has in its stored outputs (0 for other pages)."""
+    nb = ROOT / Path(page).with_suffix(".ipynb")
+    if not page.startswith("notebooks/") or not nb.is_file():
+        return 0
+    cells = json.loads(nb.read_text())["cells"]
+    return sum("image/png" in out.get("data", {}) for c in cells for out in c.get("outputs", []))
