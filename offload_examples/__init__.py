@@ -5,9 +5,9 @@ life of an offloaded tensor.
 """
 
 from .api import get_cpu_offload_context
-from .engine import LayerStats, OffloadEngine, OffloadWarning, mark_not_offload
+from .engine import LayerStats, OffloadEngine, OffloadSynchronizer, OffloadWarning, mark_not_offload
 from .host_pool import HostMemoryLimitError
-from .schedule import DefaultSchedule
+from .schedule import DefaultSchedule, SyncDictSchedule
 
 __version__ = "0.1.0"
 
@@ -16,7 +16,9 @@ __all__ = [
     "HostMemoryLimitError",
     "LayerStats",
     "OffloadEngine",
+    "OffloadSynchronizer",
     "OffloadWarning",
+    "SyncDictSchedule",
     "get_cpu_offload_context",
     "mark_not_offload",
 ]

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
 from .engine import OffloadEngine
-from .schedule import DefaultSchedule
+from .schedule import DefaultSchedule, SyncDictSchedule
 
 __all__ = ["get_cpu_offload_context"]
 
@@ -26,11 +26,12 @@ def get_cpu_offload_context(
     manual_synchronization: bool = False,
     retain_pinned_cpu_buffers: bool = False,
     offload_stream: torch.cuda.Stream | None = None,
+    synchronization_dict: Mapping[int, tuple[bool, int, bool, int]] | None = None,
     *,
     min_offload_bytes: int = 1024,
     host_memory_limit: int | None = None,
     device: torch.device | str | None = None,
-) -> tuple[contextlib.AbstractContextManager, Callable[[torch.Tensor], torch.Tensor]]:
+) -> tuple:
     """Build an offload context and its sync function.
 
     The positional parameters mirror ``transformer_engine.pytorch.get_cpu_offload_context`` so
@@ -49,6 +50,7 @@ def get_cpu_offload_context(
         When ``False`` return ``(contextlib.nullcontext(), identity)``.
     num_layers:
         ``k``: offload the saved activations of the first ``k`` layers (``0 <= k <= N - 1``).
+        Ignored with ``manual_synchronization`` or ``synchronization_dict``.
     model_layers:
         ``N``: how many times the context is entered per iteration.
     offload_activations:
@@ -56,12 +58,17 @@ def get_cpu_offload_context(
     offload_weights:
         Not supported yet; raises ``NotImplementedError``.
     manual_synchronization:
-        Not supported yet; raises ``NotImplementedError``.
+        Return a third element, an :class:`~offload_examples.engine.OffloadSynchronizer`, and
+        offload, release and reload layers only when its methods are called.
     retain_pinned_cpu_buffers:
         Keep pinned host buffers from one iteration to the next, so no memory is pinned after
         the first step.
     offload_stream:
         CUDA stream for device-to-host copies; a new one when ``None``.
+    synchronization_dict:
+        ``{layer: (offload_fwd, offload_num, reload_fwd, reload_num)}``: a declarative schedule
+        for any order of forwards and backwards (see :class:`~offload_examples.SyncDictSchedule`),
+        run through the same synchronizer as manual mode.
     min_offload_bytes:
         Storages smaller than this stay on the device.
     host_memory_limit:
@@ -72,18 +79,25 @@ def get_cpu_offload_context(
     Returns
     -------
     tuple
-        ``(context, sync_function)``. The context is an
+        ``(context, sync_function)``, or ``(context, sync_function, synchronizer)`` with
+        ``manual_synchronization=True``. The context is an
         :class:`~offload_examples.engine.OffloadEngine`, which also reports what it offloaded.
     """
     if not enabled:
-        return contextlib.nullcontext(), _identity
+        return (contextlib.nullcontext(), _identity) + ((None,) if manual_synchronization else ())
     if offload_weights:
         raise NotImplementedError("offload_weights=True is not supported by this engine yet")
     if not offload_activations:
         raise ValueError("nothing to offload: offload_activations=False and offload_weights=False")
+    if manual_synchronization and synchronization_dict is not None:
+        raise ValueError("pass either manual_synchronization=True or a synchronization_dict, not both: "
+                         "the dict drives the synchronizer itself")
     if manual_synchronization:
-        raise NotImplementedError("manual_synchronization=True is not supported by this engine yet")
-    schedule = DefaultSchedule(num_layers, model_layers)
+        schedule = None
+    elif synchronization_dict is not None:
+        schedule = SyncDictSchedule(synchronization_dict, model_layers)
+    else:
+        schedule = DefaultSchedule(num_layers, model_layers)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
@@ -92,9 +106,12 @@ def get_cpu_offload_context(
     engine = OffloadEngine(
         schedule,
         device=device,
+        model_layers=model_layers if schedule is None else None,
         min_offload_bytes=min_offload_bytes,
         retain_pinned_cpu_buffers=retain_pinned_cpu_buffers,
         offload_stream=offload_stream,
         host_memory_limit=host_memory_limit,
     )
+    if manual_synchronization:
+        return engine, engine.sync, engine.synchronizer
     return engine, engine.sync

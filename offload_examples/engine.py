@@ -37,10 +37,10 @@ from types import TracebackType
 import torch
 
 from .host_pool import HostBuffer, HostBufferPool, HostMemoryLimitError
-from .schedule import DefaultSchedule, ResidentTrace
+from .schedule import DefaultSchedule, RecordedSchedule, ResidentTrace, SyncDictSchedule
 from .streams import Streams
 
-__all__ = ["LayerStats", "OffloadEngine", "OffloadWarning", "mark_not_offload"]
+__all__ = ["LayerStats", "OffloadEngine", "OffloadSynchronizer", "OffloadWarning", "mark_not_offload"]
 
 _KEEP_ATTR = "_offload_examples_keep"
 
@@ -127,7 +127,7 @@ class _StorageRecord:
         "device", "alloc_stream", "host", "offloaded", "reloaded", "views", "aborted",
     )
 
-    def __init__(self, engine: OffloadEngine, layer: int, t: torch.Tensor, host: HostBuffer):
+    def __init__(self, engine: OffloadEngine, layer: int, t: torch.Tensor):
         storage = t.untyped_storage()
         self.engine = engine
         self.layer = layer
@@ -140,14 +140,19 @@ class _StorageRecord:
         #: Flat uint8 view of the whole storage on the device, or None while it lives on the host.
         self.device: torch.Tensor | None = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
         self.alloc_stream = engine.streams.current()
-        self.host: HostBuffer | None = host
+        self.host: HostBuffer | None = None  # lent by the pool when the copy is queued
         self.offloaded: torch.cuda.Event | None = None
         self.reloaded: torch.cuda.Event | None = None
         self.views = 0
         self.aborted = False
 
     def copy_out(self) -> None:
-        """Queue the device-to-host copy (step 2)."""
+        """Borrow a host buffer and queue the device-to-host copy (step 2).
+
+        Raises :class:`HostMemoryLimitError` (or the allocator's ``RuntimeError``) when no host
+        buffer can be had; the storage then simply stays on the device.
+        """
+        self.host = self.engine.pool.acquire(self.nbytes)
         s = self.engine.streams
         s.wait_stream(s.d2h, self.alloc_stream)  # the tensor was just written on the compute stream
         s.wait(s.d2h, self.host.ready)  # the buffer's previous reload may still be reading it
@@ -225,7 +230,13 @@ class OffloadEngine:
     Parameters
     ----------
     schedule:
-        Which layers are offloaded and when they are released and reloaded.
+        Which layers are offloaded and when they are released and reloaded: a
+        :class:`~offload_examples.DefaultSchedule` (copies start as tensors are saved), a
+        :class:`~offload_examples.SyncDictSchedule` (copies start when a layer's forward ends,
+        driven through :attr:`synchronizer`), or ``None`` for manual synchronization (you call
+        :attr:`synchronizer`'s methods yourself).
+    model_layers:
+        Context entries per iteration; only with ``schedule=None`` (schedules carry their own).
     device:
         Tensors saved on this device are candidates; tensors elsewhere are kept as they are.
     min_offload_bytes:
@@ -240,9 +251,10 @@ class OffloadEngine:
 
     def __init__(
         self,
-        schedule: DefaultSchedule,
+        schedule: DefaultSchedule | SyncDictSchedule | None,
         *,
         device: torch.device,
+        model_layers: int | None = None,
         min_offload_bytes: int = 1024,
         retain_pinned_cpu_buffers: bool = False,
         offload_stream: torch.cuda.Stream | None = None,
@@ -250,7 +262,18 @@ class OffloadEngine:
     ):
         if not isinstance(min_offload_bytes, int) or min_offload_bytes < 0:
             raise ValueError(f"min_offload_bytes must be an int >= 0, got {min_offload_bytes!r}")
+        if schedule is None:
+            if not isinstance(model_layers, int) or isinstance(model_layers, bool) or model_layers < 1:
+                raise ValueError(f"model_layers must be an int >= 1, got {model_layers!r}")
+        elif model_layers is not None and model_layers != schedule.model_layers:
+            raise ValueError(f"model_layers={model_layers} disagrees with the schedule's {schedule.model_layers}")
         self.schedule = schedule
+        self.model_layers = schedule.model_layers if schedule is not None else model_layers
+        #: Copy each tensor as it is saved (default schedule), or a whole layer when told to.
+        self.copy_on_save = isinstance(schedule, DefaultSchedule)
+        self.interleaved = schedule is None or schedule.interleaved
+        #: Start offloads, releases and reloads by hand (TE's ``ManualOffloadSynchronizer`` API).
+        self.synchronizer = OffloadSynchronizer(self)
         self.device = device
         self.min_offload_bytes = min_offload_bytes
         self.streams = Streams(device, offload_stream)
@@ -277,10 +300,21 @@ class OffloadEngine:
 
         Its ``saving`` is the peak-memory saving to expect in theory; its ``points`` say how many
         offloaded bytes should be on the device at each phase (compare :attr:`resident_trace`).
+        A :class:`~offload_examples.SyncDictSchedule` without an order is walked along the order
+        the phases ran in; manual synchronization along the actions as they were called.
         """
         offloaded = [s.offloaded_bytes for s in self.stats]
         kept = [s.candidate_bytes - s.offloaded_bytes for s in self.stats]
-        return self.schedule.simulate(offloaded, kept)
+        if isinstance(self.schedule, DefaultSchedule):
+            return self.schedule.simulate(offloaded, kept)
+        if isinstance(self.schedule, SyncDictSchedule):
+            return self.schedule.simulate(offloaded, kept, self.schedule.order or self.phase_order())
+        recorded = RecordedSchedule.from_events(self.events, self.model_layers)
+        return recorded.simulate(offloaded, kept)
+
+    def phase_order(self) -> list[tuple[str, int]]:
+        """The order in which layer phases started in the current (or last) iteration."""
+        return [(kind, j) for kind, j in self.events if kind in ("forward", "backward")]
 
     def release_buffers(self) -> None:
         """Free the pinned host buffers that are not in use."""
@@ -292,14 +326,17 @@ class OffloadEngine:
         with self._lock:
             for records in getattr(self, "_records", []):
                 for rec in records:
-                    rec.drop_device()
+                    if rec.host is not None:  # never-offloaded records keep their only copy
+                        rec.drop_device()
             if self.iteration >= 0:
                 self.pool.end_iteration()
             self.iteration += 1
-            n = self.schedule.model_layers
+            n = self.model_layers
             self._records: list[list[_StorageRecord]] = [[] for _ in range(n)]
             self._by_storage: list[dict[int, _StorageRecord]] = [{} for _ in range(n)]
             self._seen: list[set[int]] = [set() for _ in range(n)]
+            #: Where each layer is in its life this iteration (see :class:`OffloadSynchronizer`).
+            self.layer_state: list[str] = ["not run"] * n
             self.stats = [LayerStats() for _ in range(n)]
             #: ``(kind, layer)`` in the order the engine acted (see the module docstring).
             self.events: list[tuple[str, int]] = []
@@ -327,18 +364,19 @@ class OffloadEngine:
         if self._in_layer:
             raise RuntimeError("the offload context is already active: it cannot be nested")
         with self._lock:
-            n = self.schedule.model_layers
-            if self._backward_seen or (self._entered == n and self.live_views == 0):
+            n = self.model_layers
+            ended = self._entered == n and (self._backward_seen or self.live_views == 0)
+            if ended or (self._backward_seen and not self.interleaved):
                 self._new_iteration()
             elif self._entered == n:
                 raise RuntimeError(
                     f"the offload context was entered more than model_layers={n} times before a "
-                    "backward pass. Set model_layers to the number of layers run per iteration; "
-                    "for several forwards before a backward use manual synchronization."
+                    "backward pass. Set model_layers to the number of layers (or micro-batches) run "
+                    "per iteration."
                 )
             j = self._entered
-            for action, i in self.schedule.actions("forward", j):
-                self._release(i)
+            self.layer_state[j] = "running"
+            self._run_actions("forward", j)
             self.events.append(("forward", j))
             self._note_memory("forward", j)
         self._layer = j
@@ -357,7 +395,11 @@ class OffloadEngine:
             self._abort()
             return
         with self._lock:
-            self.resident_trace.append(("forward", self._layer, self.resident_bytes))
+            j = self._layer
+            self.layer_state[j] = "offloading" if self.copy_on_save and self.schedule.is_offloaded(j) else "saved"
+            if isinstance(self.schedule, SyncDictSchedule) and self.schedule.is_offloaded(j):
+                self._start_offload(j)
+            self.resident_trace.append(("forward", j, self.resident_bytes))
             self._entered += 1
 
     def sync(self, x: torch.Tensor) -> torch.Tensor:
@@ -376,16 +418,37 @@ class OffloadEngine:
             x.register_hook(functools.partial(_grad_hook, weakref.ref(self), self.iteration, self._entered - 1))
         return x
 
-    # ------------------------------------------------------------------ schedule actions
-    def _release(self, layer: int) -> None:
+    # ------------------------------------------------------------------ the three actions
+    def _start_offload(self, layer: int) -> None:
+        """Queue the device-to-host copies of a layer whose saving was deferred (manual, dict)."""
+        stats = self.stats[layer]
         for rec in self._records[layer]:
-            if rec.device is not None:
+            if rec.host is not None or rec.device is None:
+                continue
+            try:
+                rec.copy_out()
+            except (HostMemoryLimitError, RuntimeError) as err:
+                self._warn_once("host", f"keeping saved tensors of layer {layer} on the device: {err}")
+                continue
+            stats.offloaded_storages += 1
+            stats.offloaded_bytes += rec.nbytes
+            stats.offloaded_tensors += rec.views
+            self.resident_bytes += rec.nbytes
+        self.layer_state[layer] = "offloading"
+        self.events.append(("offload_start", layer))
+
+    def _release(self, layer: int) -> None:
+        """Step 3: the compute stream waits for the copies, then the GPU memory is dropped."""
+        for rec in self._records[layer]:
+            if rec.device is not None and rec.host is not None:
                 rec.check_version()
                 rec.drop_device()
                 self.resident_bytes -= rec.nbytes
+        self.layer_state[layer] = "released"
         self.events += [("offload_finished", layer), ("release", layer)]
 
     def _reload(self, records: list[_StorageRecord]) -> None:
+        """Step 4: allocate on the compute stream, copy on the host-to-device stream."""
         s = self.streams
         compute = s.current()
         todo = [r for r in records if r.device is None and r.host is not None and not r.aborted]
@@ -398,15 +461,41 @@ class OffloadEngine:
         for rec in todo:
             rec.copy_in(compute)
 
+    def _reload_layer(self, layer: int) -> None:
+        self._reload(self._records[layer])
+        self.layer_state[layer] = "reloading"
+        self.events.append(("reload_start", layer))
+
+    def _run_actions(self, phase: str, layer: int) -> None:
+        """What a schedule asks for when ``phase`` of ``layer`` starts (nothing in manual mode)."""
+        if self.schedule is None:
+            return
+        dict_mode = isinstance(self.schedule, SyncDictSchedule)
+        for action, i in self.schedule.actions(phase, layer):
+            state = self.layer_state[i]
+            if action == "release":
+                if dict_mode and state != "offloading":
+                    raise RuntimeError(f"{self.schedule.describe(i)}: the release came at the {phase} of "
+                                       f"layer {layer}, but layer {i} {_STATE_WORDS[state]}")
+                self._release(i)
+            else:
+                if dict_mode and state != "released":
+                    raise RuntimeError(f"{self.schedule.describe(i)}: the reload came at the {phase} of "
+                                       f"layer {layer}, but layer {i} {_STATE_WORDS[state]}")
+                self._reload_layer(i)
+
     def _backward_started(self, iteration: int, layer: int) -> None:
         with self._lock:
             if iteration != self.iteration:
                 return  # a graph kept from an older iteration: its views reload on demand
+            if isinstance(self.schedule, SyncDictSchedule) and self.schedule.is_offloaded(layer):
+                state = self.layer_state[layer]
+                if state != "reloading":
+                    raise RuntimeError(f"{self.schedule.describe(layer)}: the backward of layer {layer} "
+                                       f"started, but the layer {_STATE_WORDS[state]}")
             self._backward_seen = True
             self.events.append(("backward", layer))
-            for action, i in self.schedule.actions("backward", layer):
-                self._reload(self._records[i])
-                self.events.append(("reload_start", i))
+            self._run_actions("backward", layer)
             self.resident_trace.append(("backward", layer, self.resident_bytes))
             self._note_memory("backward", layer)
 
@@ -418,7 +507,7 @@ class OffloadEngine:
         if self._keep(t):
             stats.kept_tensors += 1
             return _Kept(t, layer)
-        if not self.schedule.is_offloaded(layer):
+        if self.schedule is not None and not self.schedule.is_offloaded(layer):
             storage = t.untyped_storage()
             if storage.data_ptr() not in self._seen[layer]:  # counted for the theory only
                 self._seen[layer].add(storage.data_ptr())
@@ -430,7 +519,8 @@ class OffloadEngine:
             if rec is None:
                 stats.kept_tensors += 1
                 return _Kept(t, layer)
-            stats.offloaded_tensors += 1
+            if self.copy_on_save:
+                stats.offloaded_tensors += 1
             self.live_views += 1
             return _SavedView(rec, t)
 
@@ -449,25 +539,28 @@ class OffloadEngine:
         return nbytes == 0 or nbytes < self.min_offload_bytes
 
     def _record_for(self, t: torch.Tensor, layer: int) -> _StorageRecord | None:
+        """The record of ``t``'s storage: found, or made (and, by default, copied out at once)."""
         storage = t.untyped_storage()
         known = self._by_storage[layer].get(storage.data_ptr())
         if known is not None and known.device is not None and known.nbytes == storage.nbytes():
             if known.version != t._version:
                 raise _in_place_error(layer)
             return known
-        try:
-            host = self.pool.acquire(storage.nbytes())
-        except (HostMemoryLimitError, RuntimeError) as err:
-            self._warn_once("host", f"keeping saved tensors on the device: {err}")
-            return None
-        rec = _StorageRecord(self, layer, t, host)
-        rec.copy_out()
+        rec = _StorageRecord(self, layer, t)
+        self.stats[layer].candidate_bytes += rec.nbytes
+        if self.copy_on_save:
+            try:
+                rec.copy_out()
+            except (HostMemoryLimitError, RuntimeError) as err:
+                self._warn_once("host", f"keeping saved tensors on the device: {err}")
+                self.stats[layer].candidate_bytes -= rec.nbytes  # counted again as kept below
+                self._seen[layer].add(storage.data_ptr())
+                return None
+            self.stats[layer].offloaded_storages += 1
+            self.stats[layer].offloaded_bytes += rec.nbytes
+            self.resident_bytes += rec.nbytes
         self._records[layer].append(rec)
         self._by_storage[layer][storage.data_ptr()] = rec
-        self.stats[layer].offloaded_storages += 1
-        self.stats[layer].offloaded_bytes += rec.nbytes
-        self.stats[layer].candidate_bytes += rec.nbytes
-        self.resident_bytes += rec.nbytes
         return rec
 
     def _unpack(self, view: _SavedView | _Kept) -> torch.Tensor:
@@ -481,10 +574,17 @@ class OffloadEngine:
             )
         rec.check_version()
         if rec.device is None:
+            if isinstance(self.schedule, SyncDictSchedule) and rec.iteration == self.iteration:
+                raise RuntimeError(
+                    f"{self.schedule.describe(rec.layer)}: backward needs layer {rec.layer}'s saved tensors "
+                    "but their reload was never started (pass each layer's output through sync() so "
+                    "backward triggers are seen)"
+                )
             self._warn_once(
                 "on_demand",
-                f"layer {rec.layer}'s saved tensors were reloaded on demand (no overlap): pass each "
-                "layer's output through sync() so reloads start ahead of time",
+                f"layer {rec.layer}'s saved tensors were reloaded on demand (no overlap): "
+                + ("call start_reload_layer() before its backward" if self.schedule is None else
+                   "pass each layer's output through sync() so reloads start ahead of time"),
             )
             with self._lock:
                 self._reload([rec])
@@ -499,7 +599,7 @@ class OffloadEngine:
             if rec.iteration == self.iteration:
                 self.live_views -= 1
             if rec.views == 0 and not rec.aborted:
-                if rec.device is not None and rec.iteration == self.iteration:
+                if rec.device is not None and rec.host is not None and rec.iteration == self.iteration:
                     self.resident_bytes -= rec.nbytes
                 rec.free()
 
@@ -511,6 +611,57 @@ class OffloadEngine:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(message, OffloadWarning, stacklevel=3)
+
+
+_STATE_WORDS = {
+    "not run": "has not run its forward in this iteration",
+    "running": "is still running its forward",
+    "saved": "has not started its offload",
+    "offloading": "has not been released (its release trigger has not come)",
+    "released": "has not started its reload (its reload trigger has not come)",
+    "reloading": "has already started its reload",
+}
+
+
+class OffloadSynchronizer:
+    """Manual control of when each layer is offloaded, released and reloaded.
+
+    Call-compatible with Transformer Engine's ``ManualOffloadSynchronizer``. A layer is one
+    entry of the context in the current iteration; a layer never touched stays on the GPU.
+    Backward waits for each reloaded tensor's own copy. Calls out of order raise at once.
+    """
+
+    def __init__(self, engine: OffloadEngine):
+        self._engine = weakref.proxy(engine)
+
+    def start_offload_layer(self, layer_id: int) -> None:
+        """Queue layer ``layer_id``'s device-to-host copies (its forward must have ended)."""
+        e = self._check(layer_id, "start_offload_layer", {"saved"})
+        e._start_offload(layer_id)
+
+    def release_activation_forward_gpu_memory(self, layer_id: int) -> None:
+        """Make the compute stream wait for the layer's copies, then drop its GPU memory."""
+        e = self._check(layer_id, "release_activation_forward_gpu_memory", {"offloading"})
+        e._release(layer_id)
+
+    def start_reload_layer(self, layer_id: int) -> None:
+        """Queue layer ``layer_id``'s host-to-device copies (it must have been released)."""
+        e = self._check(layer_id, "start_reload_layer", {"released"})
+        e._reload_layer(layer_id)
+
+    def _check(self, layer_id: int, what: str, allowed: set[str]) -> OffloadEngine:
+        e = self._engine
+        if e.schedule is not None and not isinstance(e.schedule, SyncDictSchedule):
+            raise RuntimeError(f"{what}: this context follows {type(e.schedule).__name__}; "
+                               "build it with manual_synchronization=True to drive it by hand")
+        n = e.model_layers
+        if not isinstance(layer_id, int) or isinstance(layer_id, bool) or not 0 <= layer_id < n:
+            raise IndexError(f"{what}({layer_id!r}): layer index out of range [0, {n - 1}] (model_layers={n})")
+        with e._lock:
+            state = e.layer_state[layer_id]
+            if state not in allowed:
+                raise RuntimeError(f"{what}({layer_id}): layer {layer_id} {_STATE_WORDS[state]}")
+        return e
 
 
 def _grad_hook(engine_ref: weakref.ref, iteration: int, layer: int, grad: torch.Tensor) -> None:

@@ -95,8 +95,13 @@ def measure_steps(
     warmup: int = 1,
     label: str = "",
     progress: Progress | None = None,
+    step: Callable[[], torch.Tensor] | None = None,
 ) -> Measurement:
-    """Run ``warmup`` then ``steps`` training steps and measure the latter."""
+    """Run ``warmup`` then ``steps`` training steps and measure the latter.
+
+    ``step`` replaces :func:`training_step` (a pipeline order, a manual schedule); it runs
+    forward and backward and returns the output.
+    """
     if steps < 1 or warmup < 0:
         raise ValueError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
     cuda = x.is_cuda
@@ -113,7 +118,7 @@ def measure_steps(
         if cuda:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
-        out = training_step(model, x, ctx, sync)
+        out = step() if step is not None else training_step(model, x, ctx, sync)
         if cuda:
             end.record()
             end.synchronize()

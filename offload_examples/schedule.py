@@ -10,9 +10,19 @@ copies). Because it is plain data, the same object also predicts the memory a ru
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal, Mapping, Sequence
 
-__all__ = ["Action", "DefaultSchedule", "Phase", "ResidentTrace"]
+__all__ = [
+    "Action",
+    "DefaultSchedule",
+    "Phase",
+    "RecordedSchedule",
+    "ResidentTrace",
+    "SyncDictSchedule",
+    "one_f_one_b_order",
+    "parse_order",
+    "sync_dict_for_order",
+]
 
 Phase = Literal["forward", "backward"]
 #: ``("release", i)`` or ``("reload", i)``.
@@ -89,6 +99,220 @@ class DefaultSchedule:
         return simulate_resident(self, offloaded_bytes, kept_bytes)
 
 
+#: ``{layer: (offload_fwd, offload_num, reload_fwd, reload_num)}``, as in Transformer Engine.
+SyncDict = Mapping[int, tuple[bool, int, bool, int]]
+
+
+@dataclass(frozen=True)
+class SyncDictSchedule:
+    """A schedule written as a ``synchronization_dict``, for any order of forwards and backwards.
+
+    Entry ``i: (offload_fwd, offload_num, reload_fwd, reload_num)`` offloads layer ``i``: its
+    device-to-host copy is queued when its forward ends; the copy must be finished, and the GPU
+    memory is released, when ``offload_num`` starts its forward (``offload_fwd=True``) or its
+    backward (``False``); the reload starts when ``reload_num`` starts its forward or backward.
+    Layers are the successive entries of the context in one iteration, so one module run on 8
+    micro-batches is 8 layers. Layers without an entry stay on the GPU.
+
+    Parameters
+    ----------
+    sync_dict:
+        The entries, checked here: indices in range, tuples of ``(bool, int, bool, int)``, no
+        layer that triggers its own release or reload.
+    model_layers:
+        ``N``, the number of context entries per iteration.
+    order:
+        The order in which phases start, e.g. ``parse_order("0F 1F 0B 1B")``; needed only for
+        predictions (:meth:`simulate`, plots). When given, the entries are also checked against
+        it (the release comes after the forward, the reload after the release and before the
+        backward).
+    """
+
+    sync_dict: SyncDict
+    model_layers: int
+    order: tuple[tuple[Phase, int], ...] | None = None
+
+    #: Forwards and backwards may interleave: an iteration ends after ``N`` forwards.
+    interleaved = True
+
+    def __post_init__(self) -> None:
+        n = self.model_layers
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"model_layers must be an int >= 1, got {n!r}")
+        if not isinstance(self.sync_dict, Mapping):
+            raise TypeError(f"synchronization_dict must be a dict, got {type(self.sync_dict).__name__}")
+        for i, entry in self.sync_dict.items():
+            _check_entry(i, entry, n)
+        if self.order is not None:
+            object.__setattr__(self, "order", tuple(self.order))
+            _check_against_order(self, self.order)
+
+    def is_offloaded(self, layer: int) -> bool:
+        return layer in self.sync_dict
+
+    def actions(self, phase: Phase, layer: int) -> list[Action]:
+        """Releases then reloads triggered when ``phase`` of ``layer`` starts."""
+        fwd = phase == "forward"
+        out: list[Action] = []
+        for i, (ofwd, onum, rfwd, rnum) in sorted(self.sync_dict.items()):
+            if ofwd == fwd and onum == layer:
+                out.append(("release", i))
+        for i, (ofwd, onum, rfwd, rnum) in sorted(self.sync_dict.items()):
+            if rfwd == fwd and rnum == layer:
+                out.append(("reload", i))
+        return out
+
+    def describe(self, layer: int) -> str:
+        """The entry of ``layer`` in words, for error messages."""
+        ofwd, onum, rfwd, rnum = self.sync_dict[layer]
+        return (f"synchronization_dict[{layer}] = {self.sync_dict[layer]!r} (release at the "
+                f"{'forward' if ofwd else 'backward'} of layer {onum}, reload at the "
+                f"{'forward' if rfwd else 'backward'} of layer {rnum})")
+
+    def timeline(self) -> list[tuple[Phase, int]]:
+        if self.order is None:
+            raise ValueError("this SyncDictSchedule was built without an order; pass order= to predict")
+        return list(self.order)
+
+    def simulate(self, offloaded_bytes: Sequence[int], kept_bytes: Sequence[int] | None = None,
+                 timeline: Sequence[tuple[Phase, int]] | None = None) -> ResidentTrace:
+        """Predict resident saved bytes along ``timeline`` (default: the schedule's order)."""
+        return simulate_resident(self, offloaded_bytes, kept_bytes, timeline)
+
+
+@dataclass(frozen=True)
+class RecordedSchedule:
+    """The releases and reloads of one iteration as they happened (manual synchronization).
+
+    Each action is attributed to the next phase that started after it, so a reload called
+    between the forward of layer 4 and the backward of layer 1 counts from that backward on.
+    """
+
+    model_layers: int
+    order: tuple[tuple[Phase, int], ...]
+    triggered: Mapping[tuple[Phase, int], tuple[Action, ...]]
+
+    interleaved = True
+
+    @classmethod
+    def from_events(cls, events: Sequence[tuple[str, int]], model_layers: int) -> RecordedSchedule:
+        order, triggered, pending = [], {}, []
+        for kind, j in events:
+            if kind in ("forward", "backward"):
+                order.append((kind, j))
+                triggered[(kind, j)] = tuple(pending)
+                pending = []
+            elif kind in ("release", "reload_start"):
+                pending.append(("release" if kind == "release" else "reload", j))
+        return cls(model_layers, tuple(order), triggered)
+
+    def actions(self, phase: Phase, layer: int) -> list[Action]:
+        return list(self.triggered.get((phase, layer), ()))
+
+    def timeline(self) -> list[tuple[Phase, int]]:
+        return list(self.order)
+
+    def simulate(self, offloaded_bytes: Sequence[int], kept_bytes: Sequence[int] | None = None) -> ResidentTrace:
+        return simulate_resident(self, offloaded_bytes, kept_bytes)
+
+
+def _check_entry(i: object, entry: object, n: int) -> None:
+    where = f"synchronization_dict[{i!r}] = {entry!r}"
+    if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n:
+        raise ValueError(f"{where}: the layer index must be an int in [0, {n - 1}] (model_layers={n})")
+    if not (isinstance(entry, tuple) and len(entry) == 4):
+        raise ValueError(f"{where}: expected a tuple (offload_fwd, offload_num, reload_fwd, reload_num)")
+    ofwd, onum, rfwd, rnum = entry
+    for name, value, kind in (("offload_fwd", ofwd, bool), ("reload_fwd", rfwd, bool),
+                              ("offload_num", onum, int), ("reload_num", rnum, int)):
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ValueError(f"{where}: {name} must be a {kind.__name__}, got {value!r}")
+    for name, num in (("offload_num", onum), ("reload_num", rnum)):
+        if not 0 <= num < n:
+            raise ValueError(f"{where}: {name}={num} is out of range [0, {n - 1}] (model_layers={n})")
+    if onum == i or rnum == i:
+        raise ValueError(f"{where}: a layer cannot trigger its own release or reload")
+    if (ofwd, onum) == (rfwd, rnum):
+        raise ValueError(f"{where}: the release and the reload cannot be triggered by the same phase")
+
+
+def _check_against_order(schedule: SyncDictSchedule, order: Sequence[tuple[Phase, int]]) -> None:
+    where = {p: pos for pos, p in enumerate(order)}
+    for i in schedule.sync_dict:
+        ofwd, onum, rfwd, rnum = schedule.sync_dict[i]
+        need = [("forward", i), ("backward", i), ("forward" if ofwd else "backward", onum),
+                ("forward" if rfwd else "backward", rnum)]
+        missing = [p for p in need if p not in where]
+        if missing:
+            raise ValueError(f"{schedule.describe(i)}: the order has no {missing[0][0]} of layer {missing[0][1]}")
+        fwd, bwd, rel, rel_load = (where[p] for p in need)
+        if not fwd < rel < rel_load < bwd:
+            raise ValueError(
+                f"{schedule.describe(i)}: in the given order the forward of layer {i} must come "
+                "before the release, the release before the reload, and the reload before its backward"
+            )
+
+
+def parse_order(text: str) -> list[tuple[Phase, int]]:
+    """``"0F 1F 0B 1B"`` -> ``[("forward", 0), ("forward", 1), ("backward", 0), ("backward", 1)]``."""
+    out: list[tuple[Phase, int]] = []
+    for tok in text.split():
+        kind, num = tok[-1].upper(), tok[:-1]
+        if kind not in "FB" or not num.isdigit():
+            raise ValueError(f"cannot read {tok!r} in the order {text!r}: write e.g. '0F 1F 0B 1B'")
+        out.append(("forward" if kind == "F" else "backward", int(num)))
+    return out
+
+
+def one_f_one_b_order(stage: int, num_stages: int, microbatches: int) -> list[tuple[Phase, int]]:
+    """The order in which a 1F1B pipeline stage runs its micro-batches.
+
+    As in ``torch.distributed.pipelining.Schedule1F1B``: stage ``s`` first runs
+    ``min(M, num_stages - s)`` forwards, then alternates one backward and one forward, then runs
+    the remaining backwards.
+    """
+    if not 0 <= stage < num_stages or microbatches < num_stages:
+        raise ValueError(f"need 0 <= stage < num_stages <= microbatches, got {stage}, {num_stages}, {microbatches}")
+    warmup = min(microbatches, num_stages - stage)
+    order: list[tuple[Phase, int]] = [("forward", j) for j in range(warmup)]
+    fwd, bwd = warmup, 0
+    while bwd < microbatches:
+        order.append(("backward", bwd))
+        bwd += 1
+        if fwd < microbatches:
+            order.append(("forward", fwd))
+            fwd += 1
+    return order
+
+
+def sync_dict_for_order(order: Sequence[tuple[Phase, int]], offload: Sequence[int] | None = None,
+                        release_after: int = 2, reload_before: int = 1) -> dict[int, tuple[bool, int, bool, int]]:
+    """Build a ``synchronization_dict`` for a given order of phases.
+
+    Layer ``i``'s copy may run for ``release_after - 1`` phases after its forward: it is released
+    at the start of the ``release_after``-th phase after its forward, and reloaded at the start of
+    the phase ``reload_before`` phases before its backward. Layers for which that leaves no room
+    (the release would not come before the reload) are left on the GPU.
+
+    Parameters
+    ----------
+    order:
+        Phases in the order they start, e.g. from :func:`parse_order` or :func:`one_f_one_b_order`.
+    offload:
+        Candidate layers; all layers when ``None``.
+    """
+    pos = {p: k for k, p in enumerate(order)}
+    layers = sorted({j for _, j in order}) if offload is None else list(offload)
+    out = {}
+    for i in layers:
+        rel, rld = pos[("forward", i)] + release_after, pos[("backward", i)] - reload_before
+        if rel < rld:
+            (rp, rj), (lp, lj) = order[rel], order[rld]
+            if i not in (rj, lj):
+                out[i] = (rp == "forward", rj, lp == "forward", lj)
+    return out
+
+
 @dataclass(frozen=True)
 class ResidentTrace:
     """Resident saved bytes after each step of :meth:`DefaultSchedule.timeline`.
@@ -102,8 +326,8 @@ class ResidentTrace:
     peak_with:
         Most bytes resident at once with this schedule.
     peak_without:
-        Most bytes resident at once without offloading (every layer's bytes at the end of the
-        forward).
+        Most bytes resident at once without offloading, along the same timeline (for "all
+        forwards, then all backwards": every layer's bytes at the end of the forward).
     """
 
     points: list[tuple[Phase, int, int, int]]
@@ -116,8 +340,13 @@ class ResidentTrace:
         return self.peak_without - self.peak_with
 
 
-def simulate_resident(schedule, offloaded_bytes: Sequence[int], kept_bytes: Sequence[int] | None = None) -> ResidentTrace:
-    """Walk ``schedule.timeline()`` and count the saved bytes on the device (see :class:`ResidentTrace`)."""
+def simulate_resident(schedule, offloaded_bytes: Sequence[int], kept_bytes: Sequence[int] | None = None,
+                      timeline: Sequence[tuple[Phase, int]] | None = None) -> ResidentTrace:
+    """Walk ``timeline`` (default ``schedule.timeline()``) and count the saved bytes on the device.
+
+    See :class:`ResidentTrace`; ``peak_without`` walks the same timeline with nothing offloaded.
+    """
+    timeline = schedule.timeline() if timeline is None else list(timeline)
     n = len(offloaded_bytes)
     kept = list(kept_bytes) if kept_bytes is not None else [0] * n
     if len(kept) != n:
@@ -127,7 +356,7 @@ def simulate_resident(schedule, offloaded_bytes: Sequence[int], kept_bytes: Sequ
     total = 0
     points = []
     peak_with = 0
-    for phase, j in schedule.timeline():
+    for phase, j in timeline:
         for action, i in schedule.actions(phase, j):
             if action == "release" and on_device[i]:
                 on_device[i] = False
@@ -150,4 +379,15 @@ def simulate_resident(schedule, offloaded_bytes: Sequence[int], kept_bytes: Sequ
                 total -= offloaded_bytes[j]
                 on_device[j] = False
             total -= kept[j]
-    return ResidentTrace(points, peak_with, sum(offloaded_bytes) + sum(kept))
+    return ResidentTrace(points, peak_with, _peak_without(timeline, offloaded_bytes, kept))
+
+
+def _peak_without(timeline, offloaded_bytes: Sequence[int], kept: Sequence[int]) -> int:
+    total = peak = 0
+    for phase, j in timeline:
+        if phase == "forward":
+            total += offloaded_bytes[j] + kept[j]
+        peak = max(peak, total)
+        if phase == "backward":
+            total -= offloaded_bytes[j] + kept[j]
+    return peak

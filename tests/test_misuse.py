@@ -52,7 +52,7 @@ def test_bad_layer_counts(k, n, error, match):
         (dict(host_memory_limit=-5), ValueError, "host memory limit"),
         (dict(offload_weights=True), NotImplementedError, "offload_weights"),
         (dict(offload_activations=False), ValueError, "nothing to offload"),
-        (dict(manual_synchronization=True), NotImplementedError, "manual_synchronization"),
+        (dict(manual_synchronization=True, synchronization_dict={}), ValueError, "not both"),
         (dict(offload_stream=object()), ValueError, "offload_stream"),
     ],
 )

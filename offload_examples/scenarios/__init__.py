@@ -1,3 +1,6 @@
 """Runnable scenarios, one module each; ``python -m offload_examples <name>`` runs one."""
 
-SCENARIOS = {"basic": "offload_examples.scenarios.basic"}
+SCENARIOS = {
+    "basic": "offload_examples.scenarios.basic",
+    "pipeline": "offload_examples.scenarios.pipeline",
+}

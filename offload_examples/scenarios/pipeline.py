@@ -1,0 +1,286 @@
+"""Scenario 2, pipeline order on one GPU: one layer, 8 micro-batches, forwards and backwards interleaved.
+
+A pipeline stage runs its micro-batches in an order such as 1F1B, where backwards start before
+all forwards are done. "Offload the first k layers" does not describe that; a
+``synchronization_dict`` does: for each offloaded micro-batch, the phase at which its copy must be
+finished (and its GPU memory released), and the phase at which its reload starts::
+
+    ORDER = "0F 1F 2F 3F 0B 4F 1B 5F 2B 6F 3B 7F 4B 5B 6B 7B"
+    ctx, sync = get_cpu_offload_context(enabled=True, model_layers=8, synchronization_dict={
+        1: (False, 0, True, 4),   # release when 0's backward starts, reload when 4's forward starts
+        ...})
+    for phase, j in parse_order(ORDER):
+        if phase == "forward":
+            with ctx:
+                out[j] = layer(x[j])
+            out[j] = sync(out[j])
+        else:
+            loss(out[j]).backward()
+
+The same schedule written with the manual synchronizer is :func:`manual_step`. Run it::
+
+    python -m offload_examples pipeline            # full size on a GPU, small on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import platform
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from offload_examples import get_cpu_offload_context
+from offload_examples.measure import compare_grads, deterministic_kernels, measure_steps, resident_vs_theory
+from offload_examples.models import build_basic_model
+from offload_examples.report import format_bytes, format_table, write_json
+from offload_examples.schedule import parse_order, sync_dict_for_order
+
+__all__ = ["ORDER", "SYNC_DICT", "PipelineConfig", "format_report", "main", "manual_step", "pipeline_step", "run"]
+
+#: One stage's order of phases: four warm-up forwards, then one backward and one forward, ...
+ORDER = "0F 1F 2F 3F 0B 4F 1B 5F 2B 6F 3B 7F 4B 5B 6B 7B"
+
+#: Offload micro-batches 1..6: ``{i: (offload_fwd, offload_num, reload_fwd, reload_num)}``.
+SYNC_DICT = {
+    1: (False, 0, True, 4),
+    2: (False, 0, True, 5),
+    3: (True, 4, True, 6),
+    4: (True, 5, True, 7),
+    5: (True, 6, False, 4),
+    6: (True, 7, False, 5),
+}
+
+
+@dataclass
+class PipelineConfig:
+    """Sizes of the pipeline scenario. The defaults are the full GPU size."""
+
+    microbatches: int = 8
+    hidden: int = 1024
+    heads: int = 8
+    ffn: int = 4096
+    seq: int = 2048
+    micro_batch: int = 4
+    dtype: str = "bfloat16"
+    steps: int = 5
+    warmup: int = 2
+    kind: str = "auto"
+    seed: int = 0
+
+    @classmethod
+    def small(cls, **changes: Any) -> PipelineConfig:
+        """A size that runs in seconds on a CPU."""
+        small = dict(hidden=64, heads=4, ffn=256, seq=32, micro_batch=2, dtype="float32", steps=2, warmup=1)
+        return cls(**{**small, "kind": "torch", **changes})
+
+    @classmethod
+    def for_device(cls, device: torch.device, **changes: Any) -> PipelineConfig:
+        return cls(**changes) if device.type == "cuda" else cls.small(**changes)
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out.float().square().mean()
+
+
+def pipeline_step(
+    layer: nn.Module,
+    x: torch.Tensor,
+    order: Sequence[tuple[str, int]],
+    ctx=None,
+    sync: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    before: Callable[[str, int], None] | None = None,
+    after_forward: Callable[[int], None] | None = None,
+) -> torch.Tensor:
+    """Run micro-batch ``j`` = ``x[j]`` through ``layer`` in ``order``; return the outputs.
+
+    ``before(phase, j)`` runs before each phase and ``after_forward(j)`` after each forward
+    (where manual synchronization calls go).
+    """
+    outs: dict[int, torch.Tensor] = {}
+    results = [None] * x.shape[0]
+    for phase, j in order:
+        if before is not None:
+            before(phase, j)
+        if phase == "forward":
+            with ctx if ctx is not None else contextlib.nullcontext():
+                out = layer(x[j])
+            outs[j] = sync(out) if sync is not None else out
+            if after_forward is not None:
+                after_forward(j)
+        else:
+            out = outs.pop(j)
+            _loss(out).backward()
+            results[j] = out.detach()
+    return torch.stack(results)
+
+
+def manual_step(layer: nn.Module, x: torch.Tensor, ctx, sync, synchronizer) -> torch.Tensor:
+    """:data:`SYNC_DICT` written out as calls to the manual synchronizer.
+
+    Each call sits where the dict's trigger would fire: releases and reloads just before the
+    phase that triggers them, the start of each copy right after the micro-batch's forward.
+    """
+    release_before = {("backward", 0): [1, 2], ("forward", 4): [3], ("forward", 5): [4],
+                      ("forward", 6): [5], ("forward", 7): [6]}
+    reload_before = {("forward", 4): [1], ("forward", 5): [2], ("forward", 6): [3],
+                     ("forward", 7): [4], ("backward", 4): [5], ("backward", 5): [6]}
+
+    def before(phase: str, j: int) -> None:
+        for i in release_before.get((phase, j), []):
+            synchronizer.release_activation_forward_gpu_memory(i)  # compute waits for i's copy
+        for i in reload_before.get((phase, j), []):
+            synchronizer.start_reload_layer(i)  # host-to-device copy starts now
+
+    def after_forward(j: int) -> None:
+        if j in SYNC_DICT:
+            synchronizer.start_offload_layer(j)  # device-to-host copy starts now
+
+    return pipeline_step(layer, x, parse_order(ORDER), ctx, sync, before, after_forward)
+
+
+def run(
+    config: PipelineConfig | None = None,
+    device: torch.device | str | None = None,
+    progress: Callable[[str], None] | None = print,
+) -> dict[str, Any]:
+    """Run the order without offloading, with :data:`SYNC_DICT`, with the same schedule by hand,
+    and with a schedule that also releases during the warm-up; return the report."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # for the bitwise check
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    config = config or PipelineConfig.for_device(device)
+    if config.microbatches != 8:
+        raise ValueError("the scenario's order and schedule are written for 8 micro-batches")
+    dtype = getattr(torch, config.dtype)
+    say = progress or (lambda _: None)
+    model = build_basic_model(1, config.hidden, config.heads, config.ffn, device=device, dtype=dtype,
+                              kind=config.kind, seed=config.seed)
+    layer = model[0]
+    gen = torch.Generator(device="cpu").manual_seed(config.seed + 1)
+    x = torch.randn(config.microbatches, config.micro_batch, config.seq, config.hidden, generator=gen, dtype=dtype)
+    x = x.to(device).requires_grad_()
+    order = parse_order(ORDER)
+    say(f"pipeline scenario on {device}: 1 layer, {config.microbatches} micro-batches, order {ORDER}")
+
+    def engine(sync_dict: Mapping | None):
+        if sync_dict is None:
+            return get_cpu_offload_context(enabled=True, model_layers=8, manual_synchronization=True,
+                                           retain_pinned_cpu_buffers=True, device=device)
+        return get_cpu_offload_context(enabled=True, model_layers=8, synchronization_dict=sync_dict,
+                                       retain_pinned_cpu_buffers=True, device=device)
+
+    early = sync_dict_for_order(order, offload=range(1, 7), release_after=2)
+    cases: dict[str, tuple] = {
+        "no offload": engine({}),  # the same hooks, nothing offloaded: the baseline
+        "synchronization_dict": engine(SYNC_DICT),
+        "manual synchronizer": engine(None),
+        "early-release dict": engine(early),
+    }
+
+    def step_fn(name: str):
+        tools = cases[name]
+        if name == "manual synchronizer":
+            return lambda: manual_step(layer, x, *tools)
+        return lambda: pipeline_step(layer, x, order, *tools)
+
+    steps = dict(steps=config.steps, warmup=config.warmup, progress=progress)
+    rows = {}
+    for name in cases:
+        ctx = cases[name][0]
+        m = measure_steps(model, x, label=name, step=step_fn(name), **steps)
+        ctx.record_memory = True
+        step_fn(name)()
+        ctx.record_memory = False
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        theory = ctx.theoretical()
+        rows[name] = {
+            "measurement": m,
+            "theory_peak_saved_bytes": theory.peak_with,
+            "theory_peak_without_bytes": theory.peak_without,
+            "offloaded_bytes": ctx.offloaded_bytes,
+            "saved_bytes_per_microbatch": [st.candidate_bytes for st in ctx.stats],
+            "resident_matches_theory": all(g == w for _, _, g, w in resident_vs_theory(ctx)),
+            "memory_trace": list(ctx.memory_trace),
+            "phase_order": ctx.phase_order(),
+            "events": list(ctx.events),
+        }
+    say("  gradient check: one more step each, with deterministic kernels")
+    with deterministic_kernels():
+        ref = measure_steps(model, x, steps=1, warmup=0, step=step_fn("no offload"))
+        checks = {name: compare_grads(ref, measure_steps(model, x, steps=1, warmup=0, step=step_fn(name)))
+                  for name in cases if name != "no offload"}
+    base = rows["no offload"]["measurement"]
+    report_cases = {}
+    for name, r in rows.items():
+        m = r["measurement"]
+        saving = None if m.peak_bytes is None else base.activation_peak_bytes - m.activation_peak_bytes
+        theory_saving = r["theory_peak_without_bytes"] - r["theory_peak_saved_bytes"]
+        report_cases[name] = {
+            "peak_bytes": m.peak_bytes,
+            "activation_peak_bytes": m.activation_peak_bytes,
+            "saving_bytes": saving,
+            "theoretical_saving_bytes": theory_saving,
+            "saving_ratio": None if saving is None or not theory_saving else saving / theory_saving,
+            "theory_peak_saved_bytes": r["theory_peak_saved_bytes"],
+            "offloaded_bytes": r["offloaded_bytes"],
+            "step_ms": m.median_ms,
+            "overhead": m.median_ms / base.median_ms - 1,
+            "grads_equal": True if name == "no offload" else checks[name].equal,
+            "resident_matches_theory": r["resident_matches_theory"],
+            "memory_trace": r["memory_trace"],
+            "phase_order": r["phase_order"],
+            "events": r["events"],
+        }
+    return {
+        "scenario": "pipeline",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "config": dataclasses.asdict(config),
+        "order": ORDER,
+        "sync_dict": {str(k): v for k, v in SYNC_DICT.items()},
+        "early_sync_dict": {str(k): v for k, v in early.items()},
+        "saved_bytes_per_microbatch": rows["no offload"]["saved_bytes_per_microbatch"][0],
+        "cases": report_cases,
+        "grads_equal": all(c.equal for c in checks.values()),
+        "order_followed": all(r["phase_order"] == order for r in rows.values()),
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """One row per case: peak memory, saving against theory, step time, gradients."""
+    rows = []
+    for name, c in report["cases"].items():
+        ratio = "n/a" if c["saving_ratio"] is None else f"{c['saving_ratio']:.1%}"
+        rows.append((name, format_bytes(c["peak_bytes"]), format_bytes(c["saving_bytes"]),
+                     format_bytes(c["theoretical_saving_bytes"]), ratio, format_bytes(c["offloaded_bytes"]),
+                     f"{c['step_ms']:.1f} ms", f"{c['overhead']:+.1%}", str(c["grads_equal"])))
+    header = ("case", "peak", "saving", "theory", "ratio", "to host", "step", "overhead", "grads equal")
+    return f"pipeline scenario on {report['device']}, order {report['order']}\n" + format_table(rows, header=header)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python -m offload_examples pipeline", description=__doc__.split("\n")[0])
+    parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--small", action="store_true", help="use the small CPU-sized model on any device")
+    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    config = PipelineConfig.small() if args.small else PipelineConfig.for_device(device)
+    report = run(config, device, progress=lambda s: print(s, flush=True))
+    print(format_report(report))
+    if args.json:
+        print(f"wrote {write_json(args.json, report)}")
+    if not report["grads_equal"]:
+        sys.exit("gradients differ with offloading")
+    return report
+
+
+if __name__ == "__main__":
+    main()
