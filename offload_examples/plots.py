@@ -9,7 +9,7 @@ from .schedule import DefaultSchedule
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-__all__ = ["plot_memory_by_phase", "plot_overlap", "plot_schedule", "plot_sweep"]
+__all__ = ["plot_memory_by_phase", "plot_overlap", "plot_schedule", "plot_sweep", "plot_timeline"]
 
 GiB = 2**30
 
@@ -104,4 +104,25 @@ def plot_sweep(rows: Sequence[Mapping[str, float]], ax: Axes | None = None) -> A
     lines = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
     ax.legend(lines, [h.get_label() for h in lines], loc="upper left")
     ax.grid(alpha=0.3)
+    return ax
+
+
+def plot_timeline(spans: Sequence, ax: Axes | None = None, title: str = "") -> Axes:
+    """Compute, device-to-host and host-to-device activity from :func:`offload_examples.timeline.record_timeline`.
+
+    One lane per kind of work; where a copy's bar sits above a stretch of green, it ran while
+    the GPU computed.
+    """
+    from .timeline import LANES
+
+    ax = _axes(ax, (10, 2.2))
+    colors = {"compute": "#31a354", "device-to-host": "#3182bd", "host-to-device": "#e6550d"}
+    for y, lane in enumerate(LANES):
+        bars = [(s.start, max(s.end - s.start, 1e-3)) for s in spans if s.lane == lane]
+        ax.broken_barh(bars, (y - 0.4, 0.8), color=colors[lane], linewidth=0)
+    ax.set_yticks(range(len(LANES)), LANES)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms")
+    if title:
+        ax.set_title(title)
     return ax

@@ -3,4 +3,5 @@
 SCENARIOS = {
     "basic": "offload_examples.scenarios.basic",
     "pipeline": "offload_examples.scenarios.pipeline",
+    "pipeline-dist": "offload_examples.scenarios.pipeline_dist",
 }

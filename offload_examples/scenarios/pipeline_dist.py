@@ -1,0 +1,246 @@
+"""Scenario 3, real pipeline parallelism: stages on several processes, 1F1B, each stage offloading.
+
+The model (``stages x layers_per_stage`` layers) is cut into one stage per process with
+``torch.distributed.pipelining``, run with its ``Schedule1F1B`` on ``M`` micro-batches. Inside
+each stage every layer enters the offload context, so the context sees ``M x layers_per_stage``
+entries per step, in the order 1F1B gives the stage. A ``synchronization_dict`` built from that
+order offloads the first ``offload`` layers of every micro-batch: each is released while the
+stage's later layers run their forward and reloaded one layer ahead of its backward.
+
+Each rank runs the same steps without and with offloading, then compares its gradients and
+peak memory. Run it::
+
+    python -m offload_examples pipeline-dist                      # 2 ranks: nccl on 2 GPUs, else gloo on the CPU
+    python -m offload_examples pipeline-dist --backend gloo --small
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import socket
+import sys
+import tempfile
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from offload_examples import get_cpu_offload_context
+from offload_examples.measure import deterministic_kernels
+from offload_examples.models import build_basic_model
+from offload_examples.report import format_bytes, format_table, write_json
+from offload_examples.schedule import one_f_one_b_order, sync_dict_for_order
+
+__all__ = ["DistConfig", "OffloadedStage", "expand_order", "main", "run"]
+
+
+@dataclass
+class DistConfig:
+    """Sizes of the multi-rank scenario; the defaults are the full GPU size."""
+
+    stages: int = 2
+    layers_per_stage: int = 6
+    offload: int = 2
+    microbatches: int = 4
+    hidden: int = 1024
+    heads: int = 8
+    ffn: int = 4096
+    seq: int = 2048
+    micro_batch: int = 4
+    dtype: str = "bfloat16"
+    steps: int = 3
+    seed: int = 0
+
+    @classmethod
+    def small(cls, **changes: Any) -> DistConfig:
+        small = dict(layers_per_stage=3, offload=1, hidden=64, heads=4, ffn=256, seq=32, micro_batch=2,
+                     dtype="float32", steps=2)
+        return cls(**{**small, **changes})
+
+
+class OffloadedStage(nn.Module):
+    """A pipeline stage whose layers each enter the offload context (one entry per layer)."""
+
+    def __init__(self, layers: nn.ModuleList, ctx=None, sync=None):
+        super().__init__()
+        self.layers = layers
+        self.ctx, self.sync = ctx, sync
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if self.ctx is None:
+                x = layer(x)
+                continue
+            with self.ctx:
+                x = layer(x)
+            x = self.sync(x)
+        return x
+
+
+def expand_order(order: Sequence[tuple[str, int]], layers: int) -> list[tuple[str, int]]:
+    """Micro-batch phases -> context entries: micro-batch ``j``'s layer ``l`` is entry ``j * layers + l``.
+
+    A forward runs the stage's layers first to last, a backward last to first.
+    """
+    out = []
+    for phase, j in order:
+        ls = range(layers) if phase == "forward" else reversed(range(layers))
+        out += [(phase, j * layers + l) for l in ls]
+    return out
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return out.float().square().mean()
+
+
+def _pipeline_step(stage_module, rank, world, cfg, device, x, dtype) -> None:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    stage = PipelineStage(stage_module, rank, world, device)
+    schedule = Schedule1F1B(stage, n_microbatches=cfg.microbatches, loss_fn=_loss)
+    if rank == 0:
+        schedule.step(x)
+    elif rank == world - 1:
+        schedule.step(target=torch.zeros(cfg.microbatches * cfg.micro_batch, dtype=dtype, device=device))
+    else:
+        schedule.step()
+
+
+def _worker(rank: int, world: int, cfg: DistConfig, backend: str, out_dir: str, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=120),
+                            **({"device_id": device} if device.type == "cuda" else {}))
+    try:
+        result = _run_rank(rank, world, cfg, device)
+    finally:
+        dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def _run_rank(rank: int, world: int, cfg: DistConfig, device: torch.device) -> dict[str, Any]:
+    dtype = getattr(torch, cfg.dtype)
+    model = build_basic_model(cfg.stages * cfg.layers_per_stage, cfg.hidden, cfg.heads, cfg.ffn,
+                              device=device, dtype=dtype, kind="torch", seed=cfg.seed)
+    mine = nn.ModuleList(model[rank * cfg.layers_per_stage:(rank + 1) * cfg.layers_per_stage])
+    del model
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    x = torch.randn(cfg.microbatches * cfg.micro_batch, cfg.seq, cfg.hidden, generator=gen, dtype=dtype).to(device)
+
+    order = expand_order(one_f_one_b_order(rank, world, cfg.microbatches), cfg.layers_per_stage)
+    offload = [j * cfg.layers_per_stage + l for j in range(cfg.microbatches) for l in range(cfg.offload)]
+    sync_dict = sync_dict_for_order(order, offload=offload, release_after=2, reload_before=1)
+    ctx, sync = get_cpu_offload_context(enabled=True, model_layers=len(order), synchronization_dict=sync_dict,
+                                        retain_pinned_cpu_buffers=True, device=device)
+    cases = {"no offload": OffloadedStage(mine), "offload": OffloadedStage(mine, ctx, sync)}
+    cuda = device.type == "cuda"
+    out: dict[str, Any] = {"rank": rank, "order": order, "sync_dict": {str(k): v for k, v in sync_dict.items()}}
+    grads = {}
+    for name, stage_module in cases.items():
+        times, peak, base = [], None, None
+        for i in range(cfg.steps + 1):  # the first is a warm-up
+            mine.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            _pipeline_step(stage_module, rank, world, cfg, device, x, dtype)
+            if cuda:
+                end.record()
+                end.synchronize()
+                if i:
+                    times.append(start.elapsed_time(end))
+                    peak = max(peak or 0, torch.cuda.max_memory_allocated() - base)
+            dist.barrier()
+        with deterministic_kernels():  # one more step with bit-reproducible kernels for the comparison
+            mine.zero_grad(set_to_none=True)
+            _pipeline_step(stage_module, rank, world, cfg, device, x, dtype)
+        grads[name] = {n: p.grad.to("cpu", copy=True) for n, p in mine.named_parameters() if p.grad is not None}
+        out[name] = {"activation_peak_bytes": peak, "step_ms": sorted(times)[len(times) // 2] if times else None}
+    theory = ctx.theoretical()
+    out.update(
+        offloaded_bytes=ctx.offloaded_bytes,
+        theoretical_saving_bytes=theory.saving,
+        grads_compared=len(grads["no offload"]),
+        grads_equal=grads["no offload"].keys() == grads["offload"].keys()
+        and all(torch.equal(grads["no offload"][n], grads["offload"][n]) for n in grads["no offload"]),
+        order_followed=ctx.phase_order() == order,
+    )
+    if cuda:
+        saving = out["no offload"]["activation_peak_bytes"] - out["offload"]["activation_peak_bytes"]
+        out.update(saving_bytes=saving, saving_ratio=saving / theory.saving if theory.saving else None)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(config: DistConfig | None = None, backend: str = "auto") -> dict[str, Any]:
+    """Spawn one process per stage, run the scenario, and gather the ranks' results."""
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "gloo"
+    if backend == "nccl" and torch.cuda.device_count() < (config.stages if config else 2):
+        raise RuntimeError(f"backend nccl needs one GPU per stage; {torch.cuda.device_count()} visible")
+    config = config or (DistConfig() if backend == "nccl" else DistConfig.small())
+    with tempfile.TemporaryDirectory() as out_dir:
+        torch.multiprocessing.spawn(_worker, args=(config.stages, config, backend, out_dir, _free_port()),
+                                    nprocs=config.stages, join=True)
+        ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(config.stages)]
+    device = torch.cuda.get_device_name(0) if backend == "nccl" else "cpu"
+    return {"scenario": "pipeline-dist", "backend": backend, "device": device, "torch": torch.__version__,
+            "config": dataclasses.asdict(config), "ranks": ranks,
+            "grads_equal": all(r["grads_equal"] for r in ranks)}
+
+
+def format_report(report: dict[str, Any]) -> str:
+    rows = []
+    for r in report["ranks"]:
+        ratio = r.get("saving_ratio")
+        rows.append((r["rank"], format_bytes(r["no offload"]["activation_peak_bytes"]),
+                     format_bytes(r["offload"]["activation_peak_bytes"]), format_bytes(r.get("saving_bytes")),
+                     format_bytes(r["theoretical_saving_bytes"]), "n/a" if ratio is None else f"{ratio:.1%}",
+                     format_bytes(r["offloaded_bytes"]),
+                     "n/a" if r["offload"]["step_ms"] is None else
+                     f"{r['no offload']['step_ms']:.1f} / {r['offload']['step_ms']:.1f} ms",
+                     f"{r['grads_equal']} ({r['grads_compared']})"))
+    c = report["config"]
+    head = (f"{c['stages']}-stage 1F1B pipeline ({report['backend']}, {report['device']}), "
+            f"{c['layers_per_stage']} layers per stage, first {c['offload']} offloaded, {c['microbatches']} micro-batches")
+    return head + "\n" + format_table(rows, header=("rank", "peak without", "peak with", "saving", "theory",
+                                                     "ratio", "to host", "step without / with", "grads equal"))
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python -m offload_examples pipeline-dist", description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"])
+    parser.add_argument("--device", choices=["cpu", "cuda"], help="cpu means gloo, cuda means nccl")
+    parser.add_argument("--small", action="store_true", help="the small CPU-sized model")
+    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    args = parser.parse_args(argv)
+    backend = {"cpu": "gloo", "cuda": "nccl"}.get(args.device, args.backend)
+    config = DistConfig.small() if args.small else None
+    report = run(config, backend)
+    print(format_report(report))
+    if args.json:
+        print(f"wrote {write_json(args.json, report)}")
+    if not report["grads_equal"]:
+        sys.exit("gradients differ with offloading")
+    return report
+
+
+if __name__ == "__main__":
+    main()
