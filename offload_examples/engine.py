@@ -349,6 +349,7 @@ class OffloadEngine:
             self.live_views = 0
             self._entered = 0
             self._backward_seen = False
+            self._backwards: set[int] = set()
 
     def _abort(self) -> None:
         """A layer's forward raised: give back every buffer and start afresh."""
@@ -365,14 +366,21 @@ class OffloadEngine:
             raise RuntimeError("the offload context is already active: it cannot be nested")
         with self._lock:
             n = self.model_layers
-            ended = self._entered == n and (self._backward_seen or self.live_views == 0)
-            if ended or (self._backward_seen and not self.interleaved):
+            if self.interleaved:  # the iteration ends once every entry's backward has run
+                ended = self._entered == n and (len(self._backwards) == n or
+                                                (self.live_views == 0 and not self._backward_seen))
+            else:
+                ended = self._backward_seen or (self._entered == n and self.live_views == 0)
+            if ended:
                 self._new_iteration()
             elif self._entered == n:
                 raise RuntimeError(
-                    f"the offload context was entered more than model_layers={n} times before a "
-                    "backward pass. Set model_layers to the number of layers (or micro-batches) run "
-                    "per iteration."
+                    f"the offload context was entered more than model_layers={n} times before "
+                    + ("a backward pass" if not self.interleaved else
+                       f"the backwards of entries {sorted(set(range(n)) - self._backwards)} ran")
+                    + ". Set model_layers to the number of entries per iteration (layers x "
+                    "micro-batches), and keep forwards that are not part of the step (a pipeline "
+                    "stage's shape inference, an evaluation pass) outside the context."
                 )
             j = self._entered
             self.layer_state[j] = "running"
@@ -494,6 +502,7 @@ class OffloadEngine:
                     raise RuntimeError(f"{self.schedule.describe(layer)}: the backward of layer {layer} "
                                        f"started, but the layer {_STATE_WORDS[state]}")
             self._backward_seen = True
+            self._backwards.add(layer)
             self.events.append(("backward", layer))
             self._run_actions("backward", layer)
             self.resident_trace.append(("backward", layer, self.resident_bytes))

@@ -72,10 +72,12 @@ class OffloadedStage(nn.Module):
         super().__init__()
         self.layers = layers
         self.ctx, self.sync = ctx, sync
+        #: Off while the pipeline stage infers shapes: that extra forward is not an entry of a step.
+        self.offloading = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
-            if self.ctx is None:
+            if self.ctx is None or not self.offloading:
                 x = layer(x)
                 continue
             with self.ctx:
@@ -100,11 +102,14 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return out.float().square().mean()
 
 
-def _pipeline_step(stage_module, rank, world, cfg, device, x, dtype) -> None:
+def _make_schedule(stage_module, rank, world, cfg, device):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     stage = PipelineStage(stage_module, rank, world, device)
-    schedule = Schedule1F1B(stage, n_microbatches=cfg.microbatches, loss_fn=_loss)
+    return Schedule1F1B(stage, n_microbatches=cfg.microbatches, loss_fn=_loss)
+
+
+def _pipeline_step(schedule, rank, world, cfg, device, x, dtype) -> None:
     if rank == 0:
         schedule.step(x)
     elif rank == world - 1:
@@ -139,13 +144,20 @@ def _run_rank(rank: int, world: int, cfg: DistConfig, device: torch.device) -> d
     order = expand_order(one_f_one_b_order(rank, world, cfg.microbatches), cfg.layers_per_stage)
     offload = [j * cfg.layers_per_stage + l for j in range(cfg.microbatches) for l in range(cfg.offload)]
     sync_dict = sync_dict_for_order(order, offload=offload, release_after=2, reload_before=1)
-    ctx, sync = get_cpu_offload_context(enabled=True, model_layers=len(order), synchronization_dict=sync_dict,
+    entries = cfg.microbatches * cfg.layers_per_stage  # context entries per step: one per layer per micro-batch
+    ctx, sync = get_cpu_offload_context(enabled=True, model_layers=entries, synchronization_dict=sync_dict,
                                         retain_pinned_cpu_buffers=True, device=device)
     cases = {"no offload": OffloadedStage(mine), "offload": OffloadedStage(mine, ctx, sync)}
     cuda = device.type == "cuda"
     out: dict[str, Any] = {"rank": rank, "order": order, "sync_dict": {str(k): v for k, v in sync_dict.items()}}
     grads = {}
     for name, stage_module in cases.items():
+        schedule = _make_schedule(stage_module, rank, world, cfg, device)
+        # The first step also runs one forward to infer shapes: keep it out of the context,
+        # which counts model_layers entries per step.
+        stage_module.offloading = False
+        _pipeline_step(schedule, rank, world, cfg, device, x, dtype)
+        stage_module.offloading = True
         times, peak, base = [], None, None
         for i in range(cfg.steps + 1):  # the first is a warm-up
             mine.zero_grad(set_to_none=True)
@@ -155,7 +167,7 @@ def _run_rank(rank: int, world: int, cfg: DistConfig, device: torch.device) -> d
                 torch.cuda.reset_peak_memory_stats()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-            _pipeline_step(stage_module, rank, world, cfg, device, x, dtype)
+            _pipeline_step(schedule, rank, world, cfg, device, x, dtype)
             if cuda:
                 end.record()
                 end.synchronize()
@@ -165,17 +177,21 @@ def _run_rank(rank: int, world: int, cfg: DistConfig, device: torch.device) -> d
             dist.barrier()
         with deterministic_kernels():  # one more step with bit-reproducible kernels for the comparison
             mine.zero_grad(set_to_none=True)
-            _pipeline_step(stage_module, rank, world, cfg, device, x, dtype)
+            _pipeline_step(schedule, rank, world, cfg, device, x, dtype)
         grads[name] = {n: p.grad.to("cpu", copy=True) for n, p in mine.named_parameters() if p.grad is not None}
         out[name] = {"activation_peak_bytes": peak, "step_ms": sorted(times)[len(times) // 2] if times else None}
     theory = ctx.theoretical()
     out.update(
         offloaded_bytes=ctx.offloaded_bytes,
+        offloaded_bytes_per_entry=[st.offloaded_bytes for st in ctx.stats],
+        saved_bytes_per_entry=[st.candidate_bytes for st in ctx.stats],
         theoretical_saving_bytes=theory.saving,
         grads_compared=len(grads["no offload"]),
         grads_equal=grads["no offload"].keys() == grads["offload"].keys()
         and all(torch.equal(grads["no offload"][n], grads["offload"][n]) for n in grads["no offload"]),
         order_followed=ctx.phase_order() == order,
+        phase_order_seen=ctx.phase_order(),
+        iterations=ctx.iteration + 1,  # one per step: proves model_layers matched the entries per step
     )
     if cuda:
         saving = out["no offload"]["activation_peak_bytes"] - out["offload"]["activation_peak_bytes"]
