@@ -537,6 +537,10 @@ class OffloadEngine:
         """Whether a saved tensor stays on the device (see the docs' caveats page)."""
         if t.device != self.device or _is_weight_like(t):
             return True
+        if t._base is not None and t._base.grad_fn is None:
+            # A view of data autograd did not produce (a batch cut into micro-batches, a buffer):
+            # its storage is owned outside the graph, so a copy would free nothing.
+            return True
         if getattr(t, _KEEP_ATTR, False) or (t._base is not None and getattr(t._base, _KEEP_ATTR, False)):
             return True
         if type(t) is not torch.Tensor:

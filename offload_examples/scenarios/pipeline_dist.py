@@ -147,7 +147,10 @@ def _run_rank(rank: int, world: int, cfg: DistConfig, device: torch.device) -> d
     entries = cfg.microbatches * cfg.layers_per_stage  # context entries per step: one per layer per micro-batch
     ctx, sync = get_cpu_offload_context(enabled=True, model_layers=entries, synchronization_dict=sync_dict,
                                         retain_pinned_cpu_buffers=True, device=device)
-    cases = {"no offload": OffloadedStage(mine), "offload": OffloadedStage(mine, ctx, sync)}
+    # the baseline goes through the same hooks with nothing to offload, so only offloading differs
+    base_ctx, base_sync = get_cpu_offload_context(enabled=True, model_layers=entries, synchronization_dict={},
+                                                  device=device)
+    cases = {"no offload": OffloadedStage(mine, base_ctx, base_sync), "offload": OffloadedStage(mine, ctx, sync)}
     cuda = device.type == "cuda"
     out: dict[str, Any] = {"rank": rank, "order": order, "sync_dict": {str(k): v for k, v in sync_dict.items()}}
     grads = {}
@@ -167,7 +170,9 @@ def _run_rank(rank: int, world: int, cfg: DistConfig, device: torch.device) -> d
                 torch.cuda.reset_peak_memory_stats()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
+            stage_module.ctx.record_memory = i == cfg.steps  # memory at every phase start of the last step
             _pipeline_step(schedule, rank, world, cfg, device, x, dtype)
+            stage_module.ctx.record_memory = False
             if cuda:
                 end.record()
                 end.synchronize()
@@ -175,11 +180,12 @@ def _run_rank(rank: int, world: int, cfg: DistConfig, device: torch.device) -> d
                     times.append(start.elapsed_time(end))
                     peak = max(peak or 0, torch.cuda.max_memory_allocated() - base)
             dist.barrier()
+        trace = list(stage_module.ctx.memory_trace)  # before the next step starts a new iteration
         with deterministic_kernels():  # one more step with bit-reproducible kernels for the comparison
             mine.zero_grad(set_to_none=True)
             _pipeline_step(schedule, rank, world, cfg, device, x, dtype)
         grads[name] = {n: p.grad.to("cpu", copy=True) for n, p in mine.named_parameters() if p.grad is not None}
-        out[name] = {"activation_peak_bytes": peak, "step_ms": sorted(times)[len(times) // 2] if times else None}
+        out[name] = {"memory_trace": trace, "activation_peak_bytes": peak, "step_ms": sorted(times)[len(times) // 2] if times else None}
     theory = ctx.theoretical()
     out.update(
         offloaded_bytes=ctx.offloaded_bytes,
