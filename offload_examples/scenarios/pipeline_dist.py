@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from offload_examples import get_cpu_offload_context
+from offload_examples import get_cpu_offload_context, mark_not_offload
 from offload_examples.measure import deterministic_kernels
 from offload_examples.models import build_basic_model
 from offload_examples.report import format_bytes, format_table, write_json
@@ -76,6 +76,10 @@ class OffloadedStage(nn.Module):
         self.offloading = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ctx is not None and self.offloading:
+            # The stage keeps its input until the backward sends its gradient upstream, so
+            # copying it out would free nothing: keep it where it is.
+            mark_not_offload(x)
         for layer in self.layers:
             if self.ctx is None or not self.offloading:
                 x = layer(x)
@@ -180,17 +184,19 @@ def _run_rank(rank: int, world: int, cfg: DistConfig, device: torch.device) -> d
                     times.append(start.elapsed_time(end))
                     peak = max(peak or 0, torch.cuda.max_memory_allocated() - base)
             dist.barrier()
-        trace = list(stage_module.ctx.memory_trace)  # before the next step starts a new iteration
+        # read the last measured step before the gradient check runs another (with other kernels)
+        trace = list(stage_module.ctx.memory_trace)
+        if stage_module.ctx is ctx:
+            theory, stats = ctx.theoretical(), list(ctx.stats)
         with deterministic_kernels():  # one more step with bit-reproducible kernels for the comparison
             mine.zero_grad(set_to_none=True)
             _pipeline_step(schedule, rank, world, cfg, device, x, dtype)
         grads[name] = {n: p.grad.to("cpu", copy=True) for n, p in mine.named_parameters() if p.grad is not None}
         out[name] = {"memory_trace": trace, "activation_peak_bytes": peak, "step_ms": sorted(times)[len(times) // 2] if times else None}
-    theory = ctx.theoretical()
     out.update(
-        offloaded_bytes=ctx.offloaded_bytes,
-        offloaded_bytes_per_entry=[st.offloaded_bytes for st in ctx.stats],
-        saved_bytes_per_entry=[st.candidate_bytes for st in ctx.stats],
+        offloaded_bytes=sum(st.offloaded_bytes for st in stats),
+        offloaded_bytes_per_entry=[st.offloaded_bytes for st in stats],
+        saved_bytes_per_entry=[st.candidate_bytes for st in stats],
         theoretical_saving_bytes=theory.saving,
         grads_compared=len(grads["no offload"]),
         grads_equal=grads["no offload"].keys() == grads["offload"].keys()
