@@ -43,6 +43,7 @@ from .streams import Streams
 __all__ = ["LayerStats", "OffloadEngine", "OffloadSynchronizer", "OffloadWarning", "mark_not_offload"]
 
 _KEEP_ATTR = "_offload_examples_keep"
+_active = threading.local()  # the engine whose context is open in this thread, if any
 
 
 class OffloadWarning(UserWarning):
@@ -364,6 +365,12 @@ class OffloadEngine:
     def __enter__(self) -> OffloadEngine:
         if self._in_layer:
             raise RuntimeError("the offload context is already active: it cannot be nested")
+        if getattr(_active, "engine", None) is not None:
+            raise RuntimeError(
+                "another offload context is already active in this thread: contexts cannot be nested "
+                "(the inner one would take every tensor the outer one should see). Give each layer "
+                "one context; two models may each have their own, entered one after the other."
+            )
         with self._lock:
             n = self.model_layers
             if self.interleaved:  # the iteration ends once every entry's backward has run
@@ -389,6 +396,7 @@ class OffloadEngine:
             self._note_memory("forward", j)
         self._layer = j
         self._in_layer = True
+        _active.engine = self
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
@@ -399,6 +407,7 @@ class OffloadEngine:
         self._hooks.__exit__(exc_type, exc, tb)
         self._hooks = None
         self._in_layer = False
+        _active.engine = None
         if exc_type is not None:
             self._abort()
             return
@@ -537,14 +546,14 @@ class OffloadEngine:
         """Whether a saved tensor stays on the device (see the docs' caveats page)."""
         if t.device != self.device or _is_weight_like(t):
             return True
-        if t._base is not None and t._base.grad_fn is None:
-            # A view of data autograd did not produce (a batch cut into micro-batches, a buffer):
-            # its storage is owned outside the graph, so a copy would free nothing.
-            return True
         if getattr(t, _KEEP_ATTR, False) or (t._base is not None and getattr(t._base, _KEEP_ATTR, False)):
             return True
         if type(t) is not torch.Tensor:
             self._warn_once("subclass", f"tensor subclass {type(t).__name__} is not offloaded")
+            return True
+        if t._base is not None and t._base.grad_fn is None:
+            # A view of data autograd did not produce (a batch cut into micro-batches, a buffer):
+            # its storage is owned outside the graph, so a copy would free nothing.
             return True
         if t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
             return True
