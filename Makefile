@@ -14,7 +14,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DOCS_OUT ?= _build/html
 
-.PHONY: setup browser run test test-gpu docs notebooks clean
+.PHONY: setup browser run test test-gpu bench docs notebooks clean
 
 setup: $(STAMP)
 
@@ -39,6 +39,9 @@ test: $(STAMP) browser  ## the whole test suite (GPU tests run too when CUDA is 
 
 test-gpu: $(STAMP)  ## GPU tests only, failing if CUDA is missing
 	OFFLOAD_EXAMPLES_REQUIRE_GPU=1 $(PY) -m pytest -m gpu
+
+bench: $(STAMP)  ## every strategy side by side: results/bench/bench.{json,md} and plots (tiny on a CPU)
+	$(PY) -m offload_examples.bench --out results/bench
 
 docs: $(STAMP)  ## build the site with warnings as errors (renders the notebooks' stored outputs)
 	$(PY) -m sphinx -W --keep-going -b html . $(DOCS_OUT)

@@ -11,7 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CopyTiming", "copy_bandwidth", "non_blocking_host_time", "overlap_timeline", "pinning_seconds"]
+__all__ = [
+    "CopyTiming", "bidirectional_gb_per_s", "copy_bandwidth", "link_bandwidth", "non_blocking_host_time",
+    "overlap_timeline", "pinning_seconds",
+]
 
 
 @dataclass
@@ -51,6 +54,40 @@ def copy_bandwidth(nbytes: int, direction: str, pinned: bool, repeats: int = 5) 
     dst.copy_(src, non_blocking=True)  # warm up
     ms = _time_on_stream(lambda: dst.copy_(src, non_blocking=True), repeats)
     return CopyTiming(nbytes, direction, pinned, ms)
+
+
+def bidirectional_gb_per_s(nbytes: int, repeats: int = 5) -> float:
+    """Total GB/s of one pinned device-to-host and one host-to-device copy of ``nbytes`` each, at once.
+
+    The two copies run on their own streams, as the engine's do; the time is from the start of
+    both to the end of the later one.
+    """
+    host_out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host_in = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev_out = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev_in = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    streams = torch.cuda.Stream(), torch.cuda.Stream()
+    main = torch.cuda.current_stream()
+
+    def both() -> None:
+        for stream, (dst, src) in zip(streams, ((host_out, dev_out), (dev_in, host_in))):
+            stream.wait_stream(main)
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+        for stream in streams:
+            main.wait_stream(stream)
+
+    both()  # warm up
+    return 2 * nbytes / _time_on_stream(both, repeats) / 1e6
+
+
+def link_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> dict[str, float]:
+    """Pinned copy bandwidth in GB/s: ``"h2d"``, ``"d2h"`` and ``"both"`` directions at once (total)."""
+    return {
+        "h2d": copy_bandwidth(nbytes, "h2d", pinned=True, repeats=repeats).gb_per_s,
+        "d2h": copy_bandwidth(nbytes, "d2h", pinned=True, repeats=repeats).gb_per_s,
+        "both": bidirectional_gb_per_s(nbytes, repeats),
+    }
 
 
 def pinning_seconds(nbytes: int) -> dict[str, float]:

@@ -39,6 +39,7 @@ import torch
 from .host_pool import HostBuffer, HostBufferPool, HostMemoryLimitError
 from .schedule import DefaultSchedule, RecordedSchedule, ResidentTrace, SyncDictSchedule
 from .streams import Streams
+from .timeline import StepRecorder
 
 __all__ = ["LayerStats", "OffloadEngine", "OffloadSynchronizer", "OffloadWarning", "mark_not_offload"]
 
@@ -157,9 +158,13 @@ class _StorageRecord:
         s = self.engine.streams
         s.wait_stream(s.d2h, self.alloc_stream)  # the tensor was just written on the compute stream
         s.wait(s.d2h, self.host.ready)  # the buffer's previous reload may still be reading it
+        recorder = self.engine.recorder
+        start = recorder.mark(s.d2h) if recorder else None  # after the waits: when the copy can begin
         with s.on(s.d2h), torch.no_grad():
             self.host.data.copy_(self.device, non_blocking=True)
         self.offloaded = s.record(s.d2h)
+        if recorder:
+            recorder.add_copy("device-to-host", self.layer, start, recorder.mark(s.d2h), self.nbytes)
 
     def check_version(self) -> None:
         t = self.original if self.original is not None else self.original_ref()
@@ -188,9 +193,13 @@ class _StorageRecord:
         """
         s = self.engine.streams
         s.wait(s.h2d, self.offloaded)
+        recorder = self.engine.recorder
+        start = recorder.mark(s.h2d) if recorder else None
         with s.on(s.h2d), torch.no_grad():
             self.device.copy_(self.host.data, non_blocking=True)
         self.reloaded = s.record(s.h2d)
+        if recorder:
+            recorder.add_copy("host-to-device", self.layer, start, recorder.mark(s.h2d), self.nbytes)
 
     def free(self) -> None:
         """Give everything back once autograd no longer needs the storage (step 6)."""
@@ -283,6 +292,8 @@ class OffloadEngine:
         )
         #: Set to ``True`` to log ``torch.cuda.memory_allocated()`` at each phase in :attr:`memory_trace`.
         self.record_memory = False
+        #: Timing marks for one step (:func:`offload_examples.timeline.record_layer_timeline` sets it).
+        self.recorder: StepRecorder | None = None
         self._lock = threading.RLock()  # views die and backward hooks run on autograd's threads
         self._warned: set[str] = set()
         self.iteration = -1
@@ -391,9 +402,10 @@ class OffloadEngine:
                 )
             j = self._entered
             self.layer_state[j] = "running"
+            ready = self._mark()
             self._run_actions("forward", j)
             self.events.append(("forward", j))
-            self._note_memory("forward", j)
+            self._note_phase("forward", j, ready)
         self._layer = j
         self._in_layer = True
         _active.engine = self
@@ -513,9 +525,10 @@ class OffloadEngine:
             self._backward_seen = True
             self._backwards.add(layer)
             self.events.append(("backward", layer))
+            ready = self._mark()
             self._run_actions("backward", layer)
             self.resident_trace.append(("backward", layer, self.resident_bytes))
-            self._note_memory("backward", layer)
+            self._note_phase("backward", layer, ready)
 
     # ------------------------------------------------------------------ autograd hooks
     def _pack(self, t: torch.Tensor) -> _Kept | _SavedView:
@@ -625,9 +638,15 @@ class OffloadEngine:
                     self.resident_bytes -= rec.nbytes
                 rec.free()
 
-    def _note_memory(self, phase: str, layer: int) -> None:
+    def _mark(self):
+        return self.recorder.mark(self.streams.current()) if self.recorder else None
+
+    def _note_phase(self, phase: str, layer: int, ready) -> None:
+        """Log a phase that has started (its actions queued) for the memory and timing read-outs."""
         if self.record_memory and self.streams.is_cuda:
             self.memory_trace.append((phase, layer, torch.cuda.memory_allocated(self.device)))
+        if self.recorder:
+            self.recorder.add_phase(phase, layer, ready, self._mark())
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

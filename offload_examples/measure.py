@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 __all__ = [
-    "GradCheck", "Measurement", "compare_grads", "deterministic_kernels", "measure_steps", "memory_by_phase",
-    "resident_vs_theory",
+    "GradCheck", "Measurement", "compare_grads", "deterministic_kernels", "measure_paired", "measure_steps",
+    "memory_by_phase", "paired_overhead", "resident_vs_theory",
     "training_step",
 ]
 
@@ -85,6 +85,28 @@ def _zero_grads(model: nn.Module, x: torch.Tensor) -> None:
     x.grad = None
 
 
+def _timed(fn: Callable[[], torch.Tensor], cuda: bool) -> tuple[float, torch.Tensor]:
+    """Run ``fn`` once; its time in ms (CUDA events on the current stream, else the host clock)."""
+    if not cuda:
+        start = time.perf_counter()
+        out = fn()
+        return (time.perf_counter() - start) * 1e3, out
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    out = fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end), out
+
+
+def _finish(label: str, model: nn.Module, x: torch.Tensor, times: list[float], peak, baseline, out) -> Measurement:
+    grads = {name: p.grad.to("cpu", copy=True) for name, p in model.named_parameters() if p.grad is not None}
+    if x.grad is not None:
+        grads["input"] = x.grad.to("cpu", copy=True)
+    _zero_grads(model, x)
+    return Measurement(label, times, peak, baseline, out.to("cpu", copy=True), grads)
+
+
 def measure_steps(
     model: nn.ModuleList,
     x: torch.Tensor,
@@ -105,6 +127,7 @@ def measure_steps(
     if steps < 1 or warmup < 0:
         raise ValueError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
     cuda = x.is_cuda
+    run = step if step is not None else (lambda: training_step(model, x, ctx, sync))
     times: list[float] = []
     peak = baseline = None
     for i in range(warmup + steps):
@@ -114,17 +137,7 @@ def measure_steps(
             torch.cuda.synchronize()
             baseline = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        if cuda:
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-        out = step() if step is not None else training_step(model, x, ctx, sync)
-        if cuda:
-            end.record()
-            end.synchronize()
-            ms = begin.elapsed_time(end)
-        else:
-            ms = (time.perf_counter() - start) * 1e3
+        ms, out = _timed(run, cuda)
         if measured:
             times.append(ms)
         if progress is not None:
@@ -132,11 +145,57 @@ def measure_steps(
             progress(f"  [{label}] {kind} {i + 1}/{warmup + steps}: {ms:.1f} ms")
     if cuda:
         peak = torch.cuda.max_memory_allocated()
-    grads = {name: p.grad.to("cpu", copy=True) for name, p in model.named_parameters() if p.grad is not None}
-    if x.grad is not None:
-        grads["input"] = x.grad.to("cpu", copy=True)
-    _zero_grads(model, x)
-    return Measurement(label, times, peak, baseline, out.to("cpu", copy=True), grads)
+    return _finish(label, model, x, times, peak, baseline, out)
+
+
+def measure_paired(
+    model: nn.ModuleList,
+    x: torch.Tensor,
+    reference: Callable[[], torch.Tensor],
+    step: Callable[[], torch.Tensor],
+    *,
+    steps: int = 10,
+    warmup: int = 2,
+    label: str = "",
+) -> tuple[Measurement, list[float]]:
+    """Alternate a reference step and ``step``; measure both, and the memory of ``step`` alone.
+
+    Run-to-run drift of a GPU (clocks, temperature, neighbours) is often as large as the
+    overheads being measured. Alternating the two steps exposes both to the same drift, so the
+    ratio of each pair (:func:`paired_overhead`) is far steadier than the ratio of two separate runs.
+
+    Returns
+    -------
+    tuple
+        The :class:`Measurement` of ``step`` (peak memory over its measured steps only) and the
+        reference's step times, pair by pair.
+    """
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
+    cuda = x.is_cuda
+    times: list[float] = []
+    reference_ms: list[float] = []
+    peak = baseline = None
+    for i in range(warmup + steps):
+        _zero_grads(model, x)
+        ref_ms, _ = _timed(reference, cuda)
+        _zero_grads(model, x)
+        if cuda:
+            torch.cuda.synchronize()
+            baseline = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        ms, out = _timed(step, cuda)
+        if i >= warmup:
+            times.append(ms)
+            reference_ms.append(ref_ms)
+            if cuda:
+                peak = max(peak or 0, torch.cuda.max_memory_allocated())
+    return _finish(label, model, x, times, peak, baseline, out), reference_ms
+
+
+def paired_overhead(times: list[float], reference_ms: list[float]) -> float:
+    """Median over pairs of ``time / reference - 1``."""
+    return statistics.median(t / r for t, r in zip(times, reference_ms)) - 1
 
 
 @contextlib.contextmanager

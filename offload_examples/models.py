@@ -18,19 +18,22 @@ def has_transformer_engine() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def _transformer_layer(hidden: int, heads: int, ffn: int, kind: LayerKind) -> nn.Module:
+def _transformer_layer(
+    hidden: int, heads: int, ffn: int, kind: LayerKind, activation: str = "gelu", dropout: float = 0.0
+) -> nn.Module:
     if kind == "auto":
         kind = "te" if has_transformer_engine() and torch.cuda.is_available() else "torch"
     if kind == "te":
         import transformer_engine.pytorch as te
 
         return te.TransformerLayer(
-            hidden, ffn, heads, hidden_dropout=0.0, attention_dropout=0.0, attn_input_format="bshd"
+            hidden, ffn, heads, hidden_dropout=dropout, attention_dropout=dropout, attn_input_format="bshd",
+            activation=activation,
         )
     if kind != "torch":
         raise ValueError(f"layer kind must be 'auto', 'torch' or 'te', got {kind!r}")
     return nn.TransformerEncoderLayer(
-        hidden, heads, ffn, dropout=0.0, batch_first=True, norm_first=True, activation="gelu"
+        hidden, heads, ffn, dropout=dropout, batch_first=True, norm_first=True, activation=activation
     )
 
 
@@ -45,12 +48,17 @@ class BasicLayer(nn.Module):
         ``"torch"`` for ``nn.TransformerEncoderLayer`` (pre-norm, no dropout), ``"te"`` for
         Transformer Engine's ``TransformerLayer``, ``"auto"`` for TE when it is installed and a
         GPU is present.
+    activation, dropout:
+        The feed-forward activation (``"gelu"`` or ``"relu"``) and the dropout probability.
     """
 
-    def __init__(self, hidden: int, heads: int, ffn: int, kind: LayerKind = "auto"):
+    def __init__(
+        self, hidden: int, heads: int, ffn: int, kind: LayerKind = "auto", activation: str = "gelu",
+        dropout: float = 0.0,
+    ):
         super().__init__()
         self.linear = nn.Linear(hidden, hidden)
-        self.transformer = _transformer_layer(hidden, heads, ffn, kind)
+        self.transformer = _transformer_layer(hidden, heads, ffn, kind, activation, dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.transformer(self.linear(x))
@@ -66,6 +74,8 @@ def build_basic_model(
     dtype: torch.dtype = torch.float32,
     kind: LayerKind = "auto",
     seed: int = 0,
+    activation: str = "gelu",
+    dropout: float = 0.0,
 ) -> nn.ModuleList:
     """``num_layers`` :class:`BasicLayer` s with weights drawn from ``seed``."""
     for name, value in (("num_layers", num_layers), ("hidden", hidden), ("heads", heads), ("ffn", ffn)):
@@ -73,8 +83,12 @@ def build_basic_model(
             raise ValueError(f"{name} must be >= 1, got {value}")
     if hidden % heads:
         raise ValueError(f"hidden={hidden} must be divisible by heads={heads}")
+    if activation not in ("gelu", "relu"):
+        raise ValueError(f"activation must be 'gelu' or 'relu', got {activation!r}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
     torch.manual_seed(seed)
-    layers = nn.ModuleList(BasicLayer(hidden, heads, ffn, kind) for _ in range(num_layers))
+    layers = nn.ModuleList(BasicLayer(hidden, heads, ffn, kind, activation, dropout) for _ in range(num_layers))
     return layers.to(device=device, dtype=dtype)
 
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from .schedule import DefaultSchedule
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
-__all__ = ["plot_memory_by_phase", "plot_overlap", "plot_schedule", "plot_sweep", "plot_timeline"]
+__all__ = [
+    "plot_bench_memory_time", "plot_bench_overhead", "plot_memory_by_phase", "plot_memory_curves", "plot_overlap",
+    "plot_schedule", "plot_sweep", "plot_timeline",
+]
 
 GiB = 2**30
 
@@ -108,21 +112,165 @@ def plot_sweep(rows: Sequence[Mapping[str, float]], ax: Axes | None = None) -> A
 
 
 def plot_timeline(spans: Sequence, ax: Axes | None = None, title: str = "") -> Axes:
-    """Compute, device-to-host and host-to-device activity from :func:`offload_examples.timeline.record_timeline`.
+    """Compute, device-to-host and host-to-device activity, one lane each.
 
-    One lane per kind of work; where a copy's bar sits above a stretch of green, it ran while
-    the GPU computed.
+    Takes the spans of :func:`offload_examples.timeline.record_layer_timeline` (per layer: the
+    compute lane alternates shades from layer to layer and is labelled ``F3``/``B3``, red marks
+    where the compute stream waited for copies, copies are coloured and labelled by layer) or of
+    :func:`offload_examples.timeline.record_timeline` (every kernel and copy, unlabelled).
+    Where a copy's bar sits above a stretch of green, it ran while the GPU computed.
     """
     from .timeline import LANES
 
-    ax = _axes(ax, (10, 2.2))
-    colors = {"compute": "#31a354", "device-to-host": "#3182bd", "host-to-device": "#e6550d"}
+    ax = _axes(ax, (11, 2.6))
+    lane_colors = {"compute": "#31a354", "device-to-host": "#3182bd", "host-to-device": "#e6550d"}
+    total = max((sp.end for sp in spans), default=1.0) or 1.0
     for y, lane in enumerate(LANES):
-        bars = [(s.start, max(s.end - s.start, 1e-3)) for s in spans if s.lane == lane]
-        ax.broken_barh(bars, (y - 0.4, 0.8), color=colors[lane], linewidth=0)
+        mine = [sp for sp in spans if sp.lane == lane]
+        if not any(sp.layer is not None for sp in mine):
+            bars = [(sp.start, max(sp.end - sp.start, 1e-3)) for sp in mine]
+            ax.broken_barh(bars, (y - 0.4, 0.8), color=lane_colors[lane], linewidth=0)
+            continue
+        if lane == "compute":
+            for sp in mine:
+                stall = sp.name == "wait"
+                color = "#de2d26" if stall else ("#31a354" if sp.layer % 2 == 0 else "#a1d99b")
+                ax.broken_barh([(sp.start, max(sp.end - sp.start, 1e-3))], (y - 0.4, 0.8), color=color, linewidth=0)
+                if not stall and sp.end - sp.start > 0.018 * total:
+                    ax.text((sp.start + sp.end) / 2, y, sp.name, ha="center", va="center", fontsize=6)
+            continue
+        _copy_lane(ax, mine, y, total)
     ax.set_yticks(range(len(LANES)), LANES)
-    ax.invert_yaxis()
+    ax.set_ylim(len(LANES) - 0.5, -0.5)
+    ax.set_xlim(0, total)
     ax.set_xlabel("ms")
+    if any(sp.name == "wait" for sp in spans):
+        from matplotlib.patches import Patch
+
+        ax.legend(handles=[Patch(color="#de2d26", label="compute waits for a copy")], loc="upper right", fontsize=7)
     if title:
         ax.set_title(title)
     return ax
+
+
+def _copy_lane(ax: Axes, spans: Sequence, y: int, total: float) -> None:
+    """Copies coloured by layer, each layer labelled once in the middle of its copies."""
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab10"]
+    by_layer: dict[int, list] = {}
+    for sp in spans:
+        by_layer.setdefault(sp.layer, []).append(sp)
+    for layer, group in by_layer.items():
+        bars = [(sp.start, max(sp.end - sp.start, 1e-3)) for sp in group]
+        ax.broken_barh(bars, (y - 0.4, 0.8), color=cmap(layer % 10), linewidth=0)
+        lo, hi = min(sp.start for sp in group), max(sp.end for sp in group)
+        if hi - lo > 0.025 * total:
+            ax.text((lo + hi) / 2, y, f"L{layer}", ha="center", va="center", fontsize=7, color="white")
+
+
+def plot_memory_curves(curves: Mapping[str, object], ax: Axes | None = None, title: str = "") -> Axes:
+    """GPU memory over one step, one curve per run (:func:`offload_examples.memory_history.record_memory_curve`).
+
+    Each curve is shaded down to zero, so where two runs are drawn the band between them is
+    the memory one saves over the other, moment by moment; the peaks are marked.
+    """
+    ax = _axes(ax, (9, 3.5))
+    colors = ["#3182bd", "#e6550d", "#31a354", "#756bb1"]
+    for c, (label, curve) in enumerate(curves.items()):
+        color = colors[c % len(colors)]
+        gib = [b / GiB for b in curve.allocated]
+        ax.step(curve.ms, gib, where="post", color=color, lw=1.2, label=f"{label} (peak {curve.peak / GiB:.2f} GiB)")
+        ax.fill_between(curve.ms, gib, step="post", color=color, alpha=0.15)
+    ax.set_xlabel("ms into the step (host time of allocator events)")
+    ax.set_ylabel("GiB allocated")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    if title:
+        ax.set_title(title)
+    return ax
+
+
+_STRATEGY_STYLE = {
+    "no offload": ("#252525", "*"), "engine": ("#08519c", "o"), "engine (fresh pinned)": ("#6baed6", "o"),
+    "save_on_cpu": ("#e6550d", "s"), "torchtune": ("#756bb1", "D"), "transformer_engine": ("#31a354", "^"),
+    "checkpoint": ("#969696", "v"),
+}
+
+
+def _model_panels(results: Mapping[str, Any], width: float = 4.6) -> tuple[Figure, list[Axes]]:
+    import matplotlib.pyplot as plt
+
+    models = results["models"]
+    fig, axes = plt.subplots(1, len(models), figsize=(width * len(models), 3.8), layout="constrained", squeeze=False)
+    return fig, list(axes[0])
+
+
+def _ok_runs(model: Mapping[str, Any], strategy: str) -> list[Mapping[str, Any]]:
+    return sorted((r for r in model["runs"] if r["strategy"] == strategy and r["status"] == "ok"),
+                  key=lambda r: r["k"])
+
+
+def plot_bench_memory_time(results: Mapping[str, Any]) -> Figure:
+    """Peak memory against step time, one panel per model, one line per strategy through its ``k`` values.
+
+    Down is less memory, left is faster: the baseline is the star; a strategy is better where
+    its points sit further down for the same step time.
+    """
+    fig, axes = _model_panels(results)
+    for ax, model in zip(axes, results["models"]):
+        for strategy, (color, marker) in _STRATEGY_STYLE.items():
+            runs = [r for r in _ok_runs(model, strategy) if r["peak_bytes"] is not None]
+            if not runs:
+                continue
+            xs, ys = [r["step_ms"] for r in runs], [r["peak_bytes"] / GiB for r in runs]
+            ax.plot(xs, ys, marker=marker, color=color, ms=9 if marker == "*" else 5, label=strategy)
+            for r, x, y in zip(runs, xs, ys):
+                if r["k"]:
+                    ax.annotate(str(r["k"]), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6, color=color)
+        if not ax.lines:
+            ax.text(0.5, 0.5, "no peak memory\n(it is measured on CUDA only)", ha="center", va="center",
+                    transform=ax.transAxes)
+        ax.set_title(f"model {model['model']}")
+        ax.set_xlabel("step time (ms, median)")
+        ax.set_ylabel("peak GiB allocated")
+        ax.grid(alpha=0.3)
+    if axes[0].lines:
+        axes[0].legend(fontsize=7)
+    fig.suptitle("Memory vs time (numbers: layers treated)")
+    return fig
+
+
+def plot_bench_overhead(results: Mapping[str, Any]) -> Figure:
+    """Step-time overhead against the number of treated layers, one panel per model.
+
+    The dashed line is the copy bound of the engine's schedule (what the measured bandwidth
+    allows); the dotted vertical line marks where the copies stop fitting behind compute.
+    """
+    fig, axes = _model_panels(results)
+    for ax, model in zip(axes, results["models"]):
+        base = next((r["step_ms"] for r in model["runs"] if r["strategy"] == "no offload"), None)
+        for strategy, (color, marker) in _STRATEGY_STYLE.items():
+            runs = _ok_runs(model, strategy)
+            if strategy == "no offload" or not runs:
+                continue
+            ax.plot([r["k"] for r in runs], [100 * r["overhead"] for r in runs], marker=marker, color=color,
+                    label=strategy)
+        pred = model.get("predicted")
+        if pred and base:
+            ks = sorted(int(k) for k in pred["bound_ms"])
+            top = max([r["k"] for r in model["runs"] if r["k"]], default=ks[-1])
+            ks = [k for k in ks if k <= top]
+            ax.plot(ks, [100 * (pred["bound_ms"][k if k in pred["bound_ms"] else str(k)] / base - 1) for k in ks],
+                    "k--", lw=1, label="copy bound (engine's schedule)")
+            if pred.get("copies_stop_fitting_at_k"):
+                ax.axvline(pred["copies_stop_fitting_at_k"], color="k", ls=":", lw=1)
+                ax.annotate("copies stop fitting", (pred["copies_stop_fitting_at_k"], ax.get_ylim()[1]),
+                            xytext=(3, -12), textcoords="offset points", fontsize=7)
+        ax.set_title(f"model {model['model']}")
+        ax.set_xlabel("layers treated (k)")
+        ax.set_ylabel("step-time overhead (%)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Overhead vs layers treated")
+    return fig

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import sys
+import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Sequence, TextIO
 
-__all__ = ["format_bytes", "format_table", "write_json"]
+__all__ = ["ProgressBar", "format_bytes", "format_markdown_table", "format_table", "write_json"]
 
 
 def format_bytes(n: int | float | None) -> str:
@@ -38,3 +40,53 @@ def write_json(path: str | Path, data: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
     return path
+
+
+def format_markdown_table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
+    """A GitHub/MyST Markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+class ProgressBar:
+    """A one-line progress bar with an estimate of the time left (one line per update off a terminal).
+
+    Parameters
+    ----------
+    total:
+        How many units of work there are.
+    stream:
+        Where to write; standard error by default, so piped results stay clean.
+    """
+
+    def __init__(self, total: int, stream: TextIO | None = None, width: int = 24):
+        self.total, self.done, self.width = max(total, 1), 0, width
+        self.stream = stream or sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.began = time.perf_counter()
+
+    def show(self, label: str) -> None:
+        """Show ``label`` as the work now running."""
+        elapsed = time.perf_counter() - self.began
+        left = f", ~{_duration(elapsed / self.done * (self.total - self.done))} left" if self.done else ""
+        filled = self.width * self.done // self.total
+        bar = "#" * filled + "." * (self.width - filled)
+        line = f"[{bar}] {self.done}/{self.total} {label} ({_duration(elapsed)}{left})"
+        if self.tty:
+            self.stream.write("\r\033[K" + line)
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def advance(self) -> None:
+        self.done += 1
+
+    def close(self) -> None:
+        self.show("done")
+        if self.tty:
+            self.stream.write("\n")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f}s" if seconds < 60 else f"{int(seconds // 60)}m{int(seconds % 60):02d}s"

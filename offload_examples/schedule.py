@@ -98,6 +98,56 @@ class DefaultSchedule:
         """
         return simulate_resident(self, offloaded_bytes, kept_bytes)
 
+    def predict_step_ms(
+        self,
+        forward_ms: Sequence[float],
+        backward_ms: Sequence[float],
+        offloaded_bytes: Sequence[int],
+        d2h_gb_per_s: float,
+        h2d_gb_per_s: float,
+    ) -> float:
+        """The shortest step this schedule allows when copies run at the given bandwidths.
+
+        Walks one iteration in order. Compute runs back to back except where the schedule makes
+        it wait: a release waits for that layer's device-to-host copy, a backward for its
+        host-to-device copy. Copies run one at a time per direction at full bandwidth; a layer's
+        copy out starts, at best, when its forward starts (tensors are copied as they are saved)
+        and cannot end before that forward does. This is the bound the copy bandwidth sets: no
+        engine that keeps this schedule's memory can do better on this hardware.
+
+        Parameters
+        ----------
+        forward_ms, backward_ms:
+            Measured compute time of each layer's forward and backward without offloading.
+        offloaded_bytes:
+            Bytes each layer copies out (and back).
+        d2h_gb_per_s, h2d_gb_per_s:
+            Measured pinned copy bandwidth in each direction (GB/s = 1e6 bytes per ms).
+        """
+        n = self.model_layers
+        for name, seq in (("forward_ms", forward_ms), ("backward_ms", backward_ms), ("offloaded_bytes", offloaded_bytes)):
+            if len(seq) != n:
+                raise ValueError(f"{name} needs {n} entries (one per layer), got {len(seq)}")
+        if d2h_gb_per_s <= 0 or h2d_gb_per_s <= 0:
+            raise ValueError("bandwidths must be > 0 GB/s")
+        t = d2h_free = h2d_free = 0.0
+        copied_out: dict[int, float] = {}
+        copied_in: dict[int, float] = {}
+        for phase, j in self.timeline():
+            for action, i in self.actions(phase, j):
+                if action == "release":
+                    t = max(t, copied_out[i])
+                else:
+                    h2d_free = max(h2d_free, t, copied_out[i]) + offloaded_bytes[i] / (h2d_gb_per_s * 1e6)
+                    copied_in[i] = h2d_free
+            if phase == "backward" and j in copied_in:
+                t = max(t, copied_in[j])
+            start, t = t, t + (forward_ms[j] if phase == "forward" else backward_ms[j])
+            if phase == "forward" and self.is_offloaded(j):
+                d2h_free = max(max(d2h_free, start) + offloaded_bytes[j] / (d2h_gb_per_s * 1e6), t)
+                copied_out[j] = d2h_free
+        return t
+
 
 #: ``{layer: (offload_fwd, offload_num, reload_fwd, reload_num)}``, as in Transformer Engine.
 SyncDict = Mapping[int, tuple[bool, int, bool, int]]

@@ -1,0 +1,507 @@
+"""Offloading strategies side by side, on the same model, data and GPU, in one run.
+
+For each model of the grid and each number ``k`` of treated layers (the first ``k`` of ``N``),
+every strategy runs the same training step:
+
+- ``no offload``: the baseline;
+- ``engine``: this package, default schedule, pinned buffers reused from step to step;
+- ``engine (fresh pinned)``: the same, with the pool emptied after every step;
+- ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` around the ``k`` layers;
+- ``torchtune``: torchtune's ``OffloadActivations`` around the ``k`` layers, when installed;
+- ``transformer_engine``: Transformer Engine's ``get_cpu_offload_context``, when installed;
+- ``checkpoint``: recomputation (``torch.utils.checkpoint``) of the ``k`` layers instead.
+
+Each result has the peak memory, the saving against the theoretical saving (the bytes the
+engine's schedule predicts for the same ``k``), the median step time (CUDA events, after
+warm-up) and its ratio to the baseline. For the engine it also has the *copy bound*: the step
+time the schedule allows when copies run at the pinned bandwidth measured at the start of the
+run and compute takes what the baseline's layers took (:meth:`DefaultSchedule.predict_step_ms`),
+and the bandwidth its copies achieved. Output: JSON, a Markdown table and plots.
+
+Run it::
+
+    python -m offload_examples.bench                     # the full grid on a GPU, tiny on a CPU
+    python -m offload_examples.bench --models A --ks 2 4 --out results/bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import importlib.util
+import os
+import platform
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from offload_examples import DefaultSchedule, get_cpu_offload_context
+from offload_examples.measure import measure_paired, measure_steps, paired_overhead
+from offload_examples.memory_history import MemoryCurve, record_memory_curve
+from offload_examples.models import Checkpointed, build_basic_model
+from offload_examples.report import ProgressBar, format_bytes, format_markdown_table, write_json
+from offload_examples.timeline import Span, achieved_gb_per_s, record_layer_timeline
+
+__all__ = ["MODELS", "STRATEGIES", "BenchConfig", "ModelSpec", "main", "run", "write_outputs"]
+
+GiB = 2**30
+
+#: Strategy names, in the order they run.
+STRATEGIES = (
+    "no offload", "engine", "engine (fresh pinned)", "save_on_cpu", "torchtune", "transformer_engine", "checkpoint",
+)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model of the grid: ``N`` x (``nn.Linear`` + a pre-norm transformer layer)."""
+
+    hidden: int
+    heads: int
+    ffn: int
+    batch: int
+    activation: str = "gelu"
+    dropout: float = 0.0
+    kind: str = "auto"
+    note: str = ""
+
+    def small(self) -> ModelSpec:
+        """The same architecture at a size that runs in seconds on a CPU."""
+        return dataclasses.replace(self, hidden=64, heads=4, ffn=256, batch=4, kind="torch")
+
+
+#: The grid's models. ``A`` and ``B`` have the shapes of the measurements in the project's facts
+#: file, so figures compare directly; ``A-wide`` doubles the width (twice the compute per byte saved).
+MODELS = {
+    "A": ModelSpec(1024, 8, 4096, 16, note="GELU, no dropout (Transformer Engine's layer when installed)"),
+    "B": ModelSpec(1024, 8, 4096, 16, activation="relu", dropout=0.1, kind="torch",
+                   note="nn.TransformerEncoderLayer defaults: ReLU, dropout 0.1"),
+    "A-wide": ModelSpec(2048, 16, 8192, 8, note="model A at twice the width, half the batch"),
+}
+
+
+@dataclass
+class BenchConfig:
+    """What to run. The defaults are the full grid for an 80 GB GPU (about 10 minutes on an H100)."""
+
+    models: tuple[str, ...] = ("A", "B", "A-wide")
+    ks: tuple[int, ...] = (1, 2, 4, 6, 8)
+    strategies: tuple[str, ...] = STRATEGIES
+    layers: int = 20
+    seq: int = 2048
+    dtype: str = "bfloat16"
+    steps: int = 12
+    warmup: int = 3
+    small: bool = False
+    seed: int = 0
+
+    @classmethod
+    def tiny(cls, **changes: Any) -> BenchConfig:
+        """A CPU-sized run: small models, ``k`` in (1, 2), few steps."""
+        base = dict(models=("A", "B"), ks=(1, 2), layers=6, seq=32, dtype="float32", steps=2, warmup=1, small=True)
+        return cls(**{**base, **changes})
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.models if m not in MODELS] + [s for s in self.strategies if s not in STRATEGIES]
+        if unknown:
+            raise ValueError(f"unknown models or strategies {unknown}; models: {list(MODELS)}, "
+                             f"strategies: {list(STRATEGIES)}")
+        bad = [k for k in self.ks if not 1 <= k <= self.layers - 1]
+        if bad:
+            raise ValueError(f"every k must be between 1 and layers - 1 = {self.layers - 1}, got {bad}")
+
+
+def available(strategy: str, device: torch.device) -> str | None:
+    """``None`` when ``strategy`` can run here, else why it is skipped."""
+    if strategy == "torchtune" and importlib.util.find_spec("torchtune") is None:
+        return "torchtune is not installed"
+    if strategy == "transformer_engine":
+        if importlib.util.find_spec("transformer_engine") is None:
+            return "Transformer Engine is not installed"
+        if device.type != "cuda":
+            return "Transformer Engine needs CUDA"
+    return None
+
+
+# ---------------------------------------------------------------------- one forward per strategy
+Forward = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _through(layers: Sequence[nn.Module], h: torch.Tensor, ctx: Callable[[int], Any] | None = None,
+             sync: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    for i, layer in enumerate(layers):
+        with ctx(i) if ctx else contextlib.nullcontext():
+            h = layer(h)
+        h = sync(h) if sync else h
+    return h
+
+
+def make_forward(strategy: str, model: nn.ModuleList, k: int, device: torch.device) -> tuple[Forward, Any]:
+    """The forward pass of ``strategy`` treating the first ``k`` layers, and its engine (or ``None``)."""
+    n = len(model)
+    if strategy == "no offload":
+        return lambda x: _through(model, x), None
+    if strategy in ("engine", "engine (fresh pinned)"):
+        ctx, sync = get_cpu_offload_context(enabled=True, num_layers=k, model_layers=n, device=device,
+                                            retain_pinned_cpu_buffers=strategy == "engine")
+        return lambda x: _through(model, x, lambda i: ctx, sync), ctx
+    if strategy == "save_on_cpu":
+        pin = device.type == "cuda"  # pinning needs an accelerator
+
+        def ctx(i: int) -> Any:
+            return torch.autograd.graph.save_on_cpu(pin_memory=pin) if i < k else contextlib.nullcontext()
+        return lambda x: _through(model, x, ctx), None
+    if strategy == "checkpoint":
+        wrapped = [Checkpointed(layer) if i < k else layer for i, layer in enumerate(model)]
+        return lambda x: _through(wrapped, x), None
+    if strategy == "torchtune":
+        from torchtune.training import OffloadActivations
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            with OffloadActivations(use_pin_memory=device.type == "cuda"):
+                h = _through(model[:k], x)
+            return _through(model[k:], h)
+        return forward, None
+    if strategy == "transformer_engine":
+        import transformer_engine.pytorch as te
+
+        ctx, sync = te.get_cpu_offload_context(True, k, n, True, False)
+        return lambda x: _through(model, x, lambda i: ctx, sync), None
+    raise ValueError(f"unknown strategy {strategy!r}")
+
+
+def _step(forward: Forward, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def step() -> torch.Tensor:
+        h = forward(x)
+        h.float().square().mean().backward()
+        return h.detach()
+    return step
+
+
+# ---------------------------------------------------------------------- the run
+def _link(device: torch.device) -> dict[str, float] | None:
+    if device.type != "cuda":
+        return None
+    from offload_examples.bandwidth import link_bandwidth
+
+    return link_bandwidth()
+
+
+def _layer_times(spans: Sequence[Span], n: int, total_ms: float) -> tuple[list[float], list[float]]:
+    """Per-layer forward and backward ms of a run without offloading, scaled to ``total_ms``."""
+    fwd, bwd = [0.0] * n, [0.0] * n
+    for s in spans:
+        if s.lane == "compute" and s.name[:1] in "FB" and s.layer is not None:
+            (fwd if s.name[0] == "F" else bwd)[s.layer] += s.end - s.start
+    traced = sum(fwd) + sum(bwd)
+    scale = total_ms / traced if traced > 0 else 1.0
+    return [t * scale for t in fwd], [t * scale for t in bwd]
+
+
+def _spans_json(spans: Sequence[Span]) -> list[dict[str, Any]]:
+    return [dataclasses.asdict(s) for s in spans]
+
+
+def _curve_json(curve: MemoryCurve) -> dict[str, list]:
+    return {"ms": [round(t, 4) for t in curve.ms], "allocated": curve.allocated}
+
+
+def _free(*engines: Any) -> None:
+    for e in engines:
+        if e is not None and hasattr(e, "release_buffers"):
+            e.release_buffers()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _bench_model(name: str, config: BenchConfig, device: torch.device, link: dict | None,
+                 bar: ProgressBar, detail: bool) -> dict[str, Any]:
+    spec = MODELS[name].small() if config.small else MODELS[name]
+    dtype = getattr(torch, config.dtype)
+    n = config.layers
+    model = build_basic_model(n, spec.hidden, spec.heads, spec.ffn, device=device, dtype=dtype, kind=spec.kind,
+                              seed=config.seed, activation=spec.activation, dropout=spec.dropout)
+    gen = torch.Generator(device="cpu").manual_seed(config.seed + 1)
+    x = torch.randn(spec.batch, config.seq, spec.hidden, generator=gen, dtype=dtype).to(device).requires_grad_()
+    steps = dict(steps=config.steps, warmup=config.warmup)
+    out: dict[str, Any] = {"model": name, "spec": dataclasses.asdict(spec), "runs": []}
+
+    bar.show(f"model {name}: no offload")
+    forward, _ = make_forward("no offload", model, 0, device)
+    base = measure_steps(model, x, step=_step(forward, x), label="no offload", **steps)
+    # the same step through an engine that offloads nothing: per-layer compute time and saved bytes
+    probe, sync = get_cpu_offload_context(enabled=True, num_layers=0, model_layers=n, device=device)
+    probe_step = _step(lambda h: _through(model, h, lambda i: probe, sync), x)
+    probe_step()
+    spans = record_layer_timeline(probe_step, probe)
+    fwd_ms, bwd_ms = _layer_times(spans, n, base.median_ms)
+    per_layer = [s.candidate_bytes for s in probe.stats]
+    out.update(forward_ms=fwd_ms, backward_ms=bwd_ms, saved_bytes_per_layer=per_layer)
+    out["predicted"] = _predictions(n, fwd_ms, bwd_ms, per_layer, link, base.median_ms)
+    if detail:
+        out["memory_curves"] = {"no offload": _curve_json(record_memory_curve(_step(forward, x)))}
+        out["timelines"] = {"no offload": _spans_json(spans)}
+    model.zero_grad(set_to_none=True)
+    _free(probe)
+    out["runs"].append(_result("no offload", 0, base, base, None))
+    bar.advance()
+
+    for k in config.ks:
+        offloaded = [b if i < k else 0 for i, b in enumerate(per_layer)]
+        kept = [b - o for b, o in zip(per_layer, offloaded)]
+        theory = DefaultSchedule(k, n).simulate(offloaded, kept).saving
+        bound = (DefaultSchedule(k, n).predict_step_ms(fwd_ms, bwd_ms, offloaded, link["d2h"], link["h2d"])
+                 if link else None)
+        for strategy in config.strategies:
+            if strategy == "no offload":
+                continue
+            bar.show(f"model {name}, k={k}: {strategy}")
+            out["runs"].append(_run_strategy(strategy, model, x, k, device, steps, base, theory, bound, link,
+                                             detail and k in (2, 4) and strategy == "engine", out,
+                                             reference=_step(forward, x)))
+            bar.advance()
+    del model, x
+    _free()
+    return out
+
+
+def _run_strategy(strategy: str, model: nn.ModuleList, x: torch.Tensor, k: int, device: torch.device,
+                  steps: dict, base, theory: int, bound: float | None, link: dict | None, detail: bool,
+                  out: dict[str, Any], reference: Callable[[], torch.Tensor]) -> dict[str, Any]:
+    skipped = available(strategy, device)
+    if skipped:
+        return {"strategy": strategy, "k": k, "status": "skipped", "reason": skipped}
+    engine = None
+    try:
+        forward, engine = make_forward(strategy, model, k, device)
+        step = _step(forward, x)
+        # steps alternate with no-offload steps: the overhead is the median of the pairs' ratios
+        measured, reference_ms = measure_paired(model, x, reference, step, label=strategy, **steps)
+        result = _result(strategy, k, measured, base, theory)
+        result.update(reference_ms=statistics.median(reference_ms), reference_ms_all=reference_ms,
+                      overhead=paired_overhead(measured.step_ms, reference_ms))
+        if engine is not None:
+            result["pinned_allocations"] = engine.pool.allocations
+            # the bound's compute times come from the first no-offload run: rescale them to the
+            # no-offload steps that ran alongside this one
+            scaled = bound * result["reference_ms"] / base.median_ms if bound else None
+            result.update(_copy_figures(step, engine, scaled, measured.median_ms, link, detail, out, k))
+        return result
+    except Exception as err:  # one failing strategy must not end the benchmark; its memory is freed below
+        return {"strategy": strategy, "k": k, "status": "failed", "reason": f"{type(err).__name__}: {err}"}
+    finally:
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        _free(engine)
+
+
+def _copy_figures(step, engine, bound: float | None, median_ms: float, link: dict | None, detail: bool,
+                  out: dict[str, Any], k: int) -> dict[str, Any]:
+    """Bound, achieved copy bandwidth and stalls of the engine, from one traced step."""
+    spans = record_layer_timeline(step, engine)
+    fig: dict[str, Any] = {
+        "bound_ms": bound,
+        "step_over_bound": median_ms / bound if bound else None,
+        "stall_ms": sum(s.end - s.start for s in spans if s.name == "wait"),
+    }
+    for lane, key in (("device-to-host", "d2h"), ("host-to-device", "h2d")):
+        achieved = achieved_gb_per_s(spans, lane) if link else None
+        fig[f"{key}_gb_per_s"] = achieved
+        fig[f"{key}_of_link"] = achieved / link[key] if achieved and link else None
+    if detail:
+        label = f"engine k={k}"
+        out.setdefault("timelines", {})[label] = _spans_json(spans)
+        out.setdefault("memory_curves", {})[label] = _curve_json(record_memory_curve(step))
+    return fig
+
+
+def _result(strategy: str, k: int, m, base, theory: int | None) -> dict[str, Any]:
+    saving = None if m.peak_bytes is None else base.activation_peak_bytes - m.activation_peak_bytes
+    return {
+        "strategy": strategy, "k": k, "status": "ok",
+        "peak_bytes": m.peak_bytes,
+        "saving_bytes": saving,
+        "theoretical_saving_bytes": theory,
+        "saving_ratio": saving / theory if saving is not None and theory else None,
+        "step_ms": m.median_ms,
+        "step_ms_all": m.step_ms,
+        "overhead": m.median_ms / base.median_ms - 1,
+    }
+
+
+def _predictions(n: int, fwd: list[float], bwd: list[float], per_layer: list[int], link: dict | None,
+                 base_ms: float) -> dict[str, Any] | None:
+    """The copy bound for every k, and the first k at which the copies no longer fit behind compute."""
+    if not link:
+        return None
+    bounds = {}
+    for k in range(1, n):
+        offloaded = [b if i < k else 0 for i, b in enumerate(per_layer)]
+        bounds[k] = DefaultSchedule(k, n).predict_step_ms(fwd, bwd, offloaded, link["d2h"], link["h2d"])
+    stop = next((k for k, ms in bounds.items() if ms > 1.01 * base_ms), None)
+    return {"bound_ms": bounds, "copies_stop_fitting_at_k": stop}
+
+
+def run(config: BenchConfig | None = None, device: torch.device | str | None = None,
+        stream=None) -> dict[str, Any]:
+    """Run the benchmark and return everything it measured (see :func:`write_outputs`)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    config = config or (BenchConfig() if device.type == "cuda" else BenchConfig.tiny())
+    runs_per_model = 1 + len(config.ks) * sum(s != "no offload" for s in config.strategies)
+    bar = ProgressBar(len(config.models) * runs_per_model, stream)
+    bar.show("measuring the host<->device link")
+    link = _link(device)
+    results = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "config": dataclasses.asdict(config),
+        "link_gb_per_s": link,
+        "skipped": {s: why for s in config.strategies if (why := available(s, device))},
+        "models": [],
+    }
+    for i, name in enumerate(config.models):
+        results["models"].append(_bench_model(name, config, device, link, bar, detail=i == 0))
+    bar.close()
+    results["targets"] = check_targets(results)
+    return results
+
+
+# ---------------------------------------------------------------------- targets, table, plots
+def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets for model A at k=2 (copies fit) and k=4 (they do not), met or missed."""
+    model = next((m for m in results["models"] if m["model"] == "A"), None)
+    if model is None or not results.get("link_gb_per_s"):
+        return []
+    engine = {r["k"]: r for r in model["runs"] if r["strategy"] == "engine" and r["status"] == "ok"}
+    checks = []
+    if 2 in engine:
+        r = engine[2]
+        checks += [("model A, k=2: saving >= 99% of theoretical", r["saving_ratio"], 0.99, ">="),
+                   ("model A, k=2: overhead <= 1%", r["overhead"], 0.01, "<=")]
+    if 4 in engine:
+        r = engine[4]
+        checks += [("model A, k=4: step time within 5% of the copy bound", r["step_over_bound"], 1.05, "<="),
+                   ("model A, k=4: device-to-host bandwidth >= 90% of measured", r["d2h_of_link"], 0.90, ">="),
+                   ("model A, k=4: host-to-device bandwidth >= 90% of measured", r["h2d_of_link"], 0.90, ">=")]
+    return [{"target": t, "value": v, "limit": lim,
+             "met": v is not None and (v >= lim if op == ">=" else v <= lim)} for t, v, lim, op in checks]
+
+
+def _gib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / GiB:.2f}"
+
+
+def _pct(x: float | None, signed: bool = False) -> str:
+    return "n/a" if x is None else (f"{x:+.1%}" if signed else f"{x:.1%}")
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The results as Markdown: the link, one table per model, the targets."""
+    link = results["link_gb_per_s"]
+    parts = [f"Device: {results['device']}, torch {results['torch']}."]
+    if link:
+        parts.append(f"Pinned copy bandwidth measured in this run: host-to-device {link['h2d']:.1f} GB/s, "
+                     f"device-to-host {link['d2h']:.1f} GB/s, both at once {link['both']:.1f} GB/s in total.")
+    header = ["k", "strategy", "peak GiB", "saving GiB", "saving / theory", "step ms", "overhead",
+              "copy bound ms", "step / bound", "d2h GB/s (of link)", "h2d GB/s (of link)"]
+    for m in results["models"]:
+        spec = m["spec"]
+        rows = []
+        for r in m["runs"]:
+            if r["status"] != "ok":
+                rows.append([r["k"] or "-", r["strategy"], r["status"] + ": " + r["reason"]] + [""] * 8)
+                continue
+            bw = {key: "" if r.get(f"{key}_gb_per_s") is None else
+                  f"{r[f'{key}_gb_per_s']:.1f} ({r[f'{key}_of_link']:.0%})" for key in ("d2h", "h2d")}
+            rows.append([r["k"] or "-", r["strategy"], _gib(r["peak_bytes"]), _gib(r["saving_bytes"]),
+                         _pct(r["saving_ratio"]), f"{r['step_ms']:.1f}", _pct(r["overhead"], True),
+                         "" if r.get("bound_ms") is None else f"{r['bound_ms']:.1f}",
+                         "" if r.get("step_over_bound") is None else f"{r['step_over_bound']:.3f}",
+                         bw["d2h"], bw["h2d"]])
+        pred = m.get("predicted") or {}
+        stop = pred.get("copies_stop_fitting_at_k")
+        parts.append(f"### Model {m['model']}\n\n{results['config']['layers']} layers of Linear + transformer layer, "
+                     f"hidden {spec['hidden']}, ffn {spec['ffn']}, {spec['heads']} heads, batch {spec['batch']}, "
+                     f"sequence {results['config']['seq']}, {results['config']['dtype']}; {spec['note']}. "
+                     f"Saved for backward per layer: {format_bytes(max(m['saved_bytes_per_layer']))}."
+                     + (f" The copies stop fitting behind compute at k = {stop} (copy bound > 1.01 x baseline)."
+                        if stop else ""))
+        parts.append(format_markdown_table(rows, header))
+    if results.get("targets"):
+        rows = [[t["target"], "n/a" if t["value"] is None else f"{t['value']:.3f}", t["limit"],
+                 "met" if t["met"] else "**missed**"] for t in results["targets"]]
+        parts.append("### Targets\n\n" + format_markdown_table(rows, ["target", "value", "limit", "result"]))
+    if results["skipped"]:
+        parts.append("Skipped: " + "; ".join(f"{s} ({why})" for s, why in results["skipped"].items()) + ".")
+    return "\n\n".join(parts) + "\n"
+
+
+def write_outputs(results: dict[str, Any], out: str | Path) -> list[Path]:
+    """Write ``bench.json``, ``bench.md`` and the plots into ``out``; returns the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from offload_examples.plots import plot_bench_memory_time, plot_bench_overhead, plot_memory_curves, plot_timeline
+
+    out = Path(out)
+    paths = [write_json(out / "bench.json", results)]
+    (out / "bench.md").write_text(markdown(results))
+    paths.append(out / "bench.md")
+    figures: dict[str, Any] = {"memory_vs_time.png": plot_bench_memory_time(results),
+                               "overhead_vs_k.png": plot_bench_overhead(results)}
+    first = results["models"][0]
+    for label, spans in first.get("timelines", {}).items():
+        if label != "no offload":
+            ax = plot_timeline([Span(**s) for s in spans], title=f"model {first['model']}, one step, {label}")
+            figures[f"timeline_{label.replace(' ', '_').replace('=', '')}.png"] = ax.figure
+    curves = {label: MemoryCurve(c["ms"], c["allocated"]) for label, c in first.get("memory_curves", {}).items()}
+    if any(c.ms for c in curves.values()):
+        figures["memory_over_step.png"] = plot_memory_curves(
+            curves, title=f"model {first['model']}: memory over one step").figure
+    for name, fig in figures.items():
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        paths.append(out / name)
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python -m offload_examples.bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--tiny", action="store_true", help="the CPU-sized grid on any device")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS))
+    parser.add_argument("--ks", nargs="+", type=int, help="numbers of treated layers")
+    parser.add_argument("--strategies", nargs="+", choices=list(STRATEGIES))
+    parser.add_argument("--layers", type=int)
+    parser.add_argument("--steps", type=int, help="measured steps per run (median reported)")
+    parser.add_argument("--warmup", type=int)
+    parser.add_argument("--out", default="results/bench", help="folder for bench.json, bench.md and plots")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    changes = {k: tuple(v) if isinstance(v, list) else v for k, v in vars(args).items()
+               if k in {f.name for f in dataclasses.fields(BenchConfig)} and v is not None}
+    config = BenchConfig.tiny(**changes) if args.tiny or device.type != "cuda" else BenchConfig(**changes)
+    results = run(config, device)
+    print(markdown(results))
+    for path in write_outputs(results, args.out):
+        print(f"wrote {path}")
+    if any(r["status"] == "failed" for m in results["models"] for r in m["runs"]):
+        print("some strategies failed; see the table", file=sys.stderr)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""The benchmark end to end, its copy bound, and the timeline, memory and progress helpers."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+
+from offload_examples import DefaultSchedule, get_cpu_offload_context
+from offload_examples import bench
+from offload_examples.measure import training_step
+from offload_examples.memory_history import MemoryCurve, curve_from_snapshot, record_memory_curve
+from offload_examples.models import build_linear_stack
+from offload_examples.report import ProgressBar
+from offload_examples.timeline import achieved_gb_per_s, record_layer_timeline
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _check_outputs(results: dict, out) -> None:
+    paths = bench.write_outputs(results, out)
+    data = json.loads((out / "bench.json").read_text())
+    assert data["config"]["ks"] == list(results["config"]["ks"])
+    assert "| k | strategy |" in (out / "bench.md").read_text()
+    pngs = [p for p in paths if p.suffix == ".png"]
+    assert {p.name for p in pngs} >= {"memory_vs_time.png", "overhead_vs_k.png"}
+    for p in pngs:
+        assert p.read_bytes()[:8] == PNG and p.stat().st_size > 5000, p
+
+
+def test_bench_tiny_end_to_end(tmp_path):
+    config = bench.BenchConfig.tiny(models=("A", "B"), ks=(1, 2))
+    results = bench.run(config, "cpu", stream=io.StringIO())
+    for model in results["models"]:
+        seen = {(r["strategy"], r["k"]): r for r in model["runs"]}
+        assert seen[("no offload", 0)]["status"] == "ok"
+        for k in (1, 2):
+            for strategy in bench.STRATEGIES[1:]:
+                r = seen[(strategy, k)]
+                if strategy in ("torchtune", "transformer_engine") and r["status"] == "skipped":
+                    assert "not installed" in r["reason"] or "CUDA" in r["reason"]  # reported, not hidden
+                else:
+                    assert r["status"] == "ok", r
+                    assert r["step_ms"] > 0 and len(r["step_ms_all"]) == config.steps
+        engine = seen[("engine", 2)]
+        assert engine["theoretical_saving_bytes"] == sum(model["saved_bytes_per_layer"][:2])
+        assert engine["pinned_allocations"] > 0
+    assert results["models"][0]["timelines"]["engine k=2"], "the first model keeps a timeline"
+    _check_outputs(results, tmp_path)
+
+
+def test_bench_cli_and_a_failing_strategy(tmp_path, monkeypatch, capsys):
+    """A strategy that raises is reported as failed and the others still run."""
+    real = bench.make_forward
+
+    def broken(strategy, *args):
+        if strategy == "save_on_cpu":
+            raise RuntimeError("boom")
+        return real(strategy, *args)
+
+    monkeypatch.setattr(bench, "make_forward", broken)
+    results = bench.main(["--tiny", "--models", "B", "--ks", "1", "--out", str(tmp_path)])
+    runs = {r["strategy"]: r for r in results["models"][0]["runs"]}
+    assert runs["save_on_cpu"] == {"strategy": "save_on_cpu", "k": 1, "status": "failed", "reason": "RuntimeError: boom"}
+    assert runs["checkpoint"]["status"] == "ok"
+    assert "failed: RuntimeError: boom" in capsys.readouterr().out
+    assert (tmp_path / "bench.json").is_file()
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(models=("C",)), "unknown models or strategies"),
+    (dict(strategies=("magic",)), "unknown models or strategies"),
+    (dict(ks=(6,)), "between 1 and layers - 1"),
+])
+def test_bench_config_rejects_bad_input(changes, message):
+    with pytest.raises(ValueError, match=message):
+        bench.BenchConfig.tiny(**changes)
+
+
+def test_copy_bound_by_hand():
+    s = DefaultSchedule(1, 2)  # layer 0 released before F1, reloaded when B0 starts
+    fwd, bwd = [1.0, 1.0], [2.0, 2.0]
+    # infinitely fast copies: compute alone
+    assert s.predict_step_ms(fwd, bwd, [10**6, 0], 1e12, 1e12) == pytest.approx(6.0)
+    # 1 ms each way: the copy out fits under F0, the reload (queued at B0) delays B0 by 1 ms
+    assert s.predict_step_ms(fwd, bwd, [10**6, 0], 1.0, 1.0) == pytest.approx(7.0)
+    # 2 ms each way: F1 waits 1 ms for the copy out, B0 waits 2 ms for the reload
+    assert s.predict_step_ms(fwd, bwd, [2 * 10**6, 0], 1.0, 1.0) == pytest.approx(9.0)
+    assert DefaultSchedule(0, 2).predict_step_ms(fwd, bwd, [0, 0], 1.0, 1.0) == pytest.approx(6.0)
+    with pytest.raises(ValueError, match="one per layer"):
+        s.predict_step_ms([1.0], bwd, [0, 0], 1.0, 1.0)
+
+
+def test_layer_timeline_follows_the_schedule():
+    """Every copy is attributed to its layer and sits where the schedule puts it."""
+    n, k = 4, 2
+    model = build_linear_stack(n, 64)
+    x = torch.randn(32, 64, requires_grad=True)
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=k, model_layers=n)
+    training_step(model, x, ctx, sync)
+    spans = record_layer_timeline(lambda: training_step(model, x, ctx, sync), ctx)
+    phase = {s.name: s for s in spans if s.lane == "compute" and s.name != "wait"}
+    assert sorted(phase) == sorted([f"F{j}" for j in range(n)] + [f"B{j}" for j in range(n)])
+    d2h = [s for s in spans if s.lane == "device-to-host"]
+    h2d = [s for s in spans if s.lane == "host-to-device"]
+    assert {s.layer for s in d2h} == {s.layer for s in h2d} == set(range(k))
+    for s in d2h:
+        assert phase[f"F{s.layer}"].start <= s.start and s.end <= phase[f"F{n - k + s.layer}"].end
+    for s in h2d:
+        assert s.end <= phase[f"B{s.layer}"].start
+    assert sum(s.nbytes for s in d2h) == sum(s.nbytes for s in h2d) == ctx.offloaded_bytes
+    assert achieved_gb_per_s(spans, "device-to-host") > 0
+    assert ctx.recorder is None, "the recorder is detached after the step"
+
+    from offload_examples.plots import plot_timeline
+
+    ax = plot_timeline(spans, title="cpu")
+    assert len(ax.collections) >= 3 + 2 * n
+
+
+def test_memory_curve_from_recorded_snapshot():
+    trace = [dict(action="alloc", size=100, time_us=1000), dict(action="alloc", size=50, time_us=1500),
+             dict(action="free_requested", size=100, time_us=2000),
+             dict(action="free_completed", size=100, time_us=2100), dict(action="segment_alloc", size=1, time_us=9)]
+    curve = curve_from_snapshot({"device_traces": [trace]}, base_bytes=1000)
+    assert curve.ms == [0.0, 0.5, 1.0] and curve.allocated == [1100, 1150, 1050] and curve.peak == 1150
+    assert curve_from_snapshot({"device_traces": [trace]}, device=3) == MemoryCurve([], [])
+    if not torch.cuda.is_available():
+        assert record_memory_curve(lambda: None) == MemoryCurve([], [])
+
+    from offload_examples.plots import plot_memory_curves
+
+    ax = plot_memory_curves({"without": curve, "with": MemoryCurve([0.0, 1.0], [1000, 1020])})
+    assert len(ax.get_legend().get_texts()) == 2
+
+
+def test_progress_bar_off_a_terminal():
+    out = io.StringIO()
+    bar = ProgressBar(4, out)
+    bar.show("first")
+    bar.advance()
+    bar.show("second")
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("[........................] 0/4 first")
+    assert "1/4 second" in lines[1] and "left)" in lines[1]
+    assert lines[-1].startswith("[######") and "done" in lines[-1]
+
+
+@pytest.mark.gpu
+def test_bench_short_gpu_run(tmp_path):
+    """Every installed strategy completes on the GPU; the engine saves what its schedule predicts."""
+    config = bench.BenchConfig(models=("A",), ks=(2,), layers=6, seq=512, steps=3, warmup=2)
+    results = bench.run(config, "cuda", stream=io.StringIO())
+    link = results["link_gb_per_s"]
+    assert all(link[key] > 1 for key in ("h2d", "d2h", "both"))
+    runs = {r["strategy"]: r for r in results["models"][0]["runs"]}
+    for strategy, r in runs.items():
+        assert r["status"] == "ok" or (r["status"] == "skipped" and "not installed" in r["reason"]), r
+    engine = runs["engine"]
+    assert engine["saving_ratio"] >= 0.99
+    assert engine["bound_ms"] > 0 and engine["d2h_gb_per_s"] > 0 and engine["h2d_gb_per_s"] > 0
+    assert runs["checkpoint"]["saving_bytes"] > 0
+    curves = results["models"][0]["memory_curves"]
+    assert max(curves["no offload"]["allocated"]) > max(curves["engine k=2"]["allocated"])
+    _check_outputs(results, tmp_path)
