@@ -89,23 +89,30 @@ MODELS = {
 
 @dataclass
 class BenchConfig:
-    """What to run. The defaults are the full grid for an 80 GB GPU (about 10 minutes on an H100)."""
+    """What to run. The defaults are the full grid for an 80 GB GPU (about 9 minutes on an H100).
+
+    ``steps`` pairs of steps are measured per run (after ``warmup`` pairs); the runs the targets
+    are checked on (model A, ``k`` = 2 and 4, the engine) measure ``target_steps`` pairs, since
+    step-to-step noise on a GPU (a few percent) is larger than the 1% some targets resolve.
+    """
 
     models: tuple[str, ...] = ("A", "B", "A-wide")
-    ks: tuple[int, ...] = (1, 2, 4, 6, 8)
+    ks: tuple[int, ...] = (1, 2, 3, 4, 6)
     strategies: tuple[str, ...] = STRATEGIES
     layers: int = 20
     seq: int = 2048
     dtype: str = "bfloat16"
-    steps: int = 12
-    warmup: int = 3
+    steps: int = 10
+    warmup: int = 2
+    target_steps: int = 40
     small: bool = False
     seed: int = 0
 
     @classmethod
     def tiny(cls, **changes: Any) -> BenchConfig:
         """A CPU-sized run: small models, ``k`` in (1, 2), few steps."""
-        base = dict(models=("A", "B"), ks=(1, 2), layers=6, seq=32, dtype="float32", steps=2, warmup=1, small=True)
+        base = dict(models=("A", "B"), ks=(1, 2), layers=6, seq=32, dtype="float32", steps=2, warmup=1, small=True,
+                    target_steps=2)
         return cls(**{**base, **changes})
 
     def __post_init__(self) -> None:
@@ -264,7 +271,9 @@ def _bench_model(name: str, config: BenchConfig, device: torch.device, link: dic
             if strategy == "no offload":
                 continue
             bar.show(f"model {name}, k={k}: {strategy}")
-            out["runs"].append(_run_strategy(strategy, model, x, k, device, steps, base, theory, bound, link,
+            target = name == "A" and k in (2, 4) and strategy == "engine"
+            run_steps = dict(steps, steps=max(config.steps, config.target_steps)) if target else steps
+            out["runs"].append(_run_strategy(strategy, model, x, k, device, run_steps, base, theory, bound, link,
                                              detail and k in (2, 4) and strategy == "engine", out,
                                              reference=_step(forward, x)))
             bar.advance()
@@ -286,8 +295,10 @@ def _run_strategy(strategy: str, model: nn.ModuleList, x: torch.Tensor, k: int, 
         # steps alternate with no-offload steps: the overhead is the median of the pairs' ratios
         measured, reference_ms = measure_paired(model, x, reference, step, label=strategy, **steps)
         result = _result(strategy, k, measured, base, theory)
+        pairs = sorted(t / r - 1 for t, r in zip(measured.step_ms, reference_ms))
         result.update(reference_ms=statistics.median(reference_ms), reference_ms_all=reference_ms,
-                      overhead=paired_overhead(measured.step_ms, reference_ms))
+                      overhead=paired_overhead(measured.step_ms, reference_ms), pairs=len(pairs),
+                      overhead_quartiles=[pairs[len(pairs) // 4], pairs[(3 * len(pairs)) // 4]])
         if engine is not None:
             result["pinned_allocations"] = engine.pool.allocations
             # the bound's compute times come from the first no-offload run: rescale them to the
@@ -387,15 +398,18 @@ def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     checks = []
     if 2 in engine:
         r = engine[2]
-        checks += [("model A, k=2: saving >= 99% of theoretical", r["saving_ratio"], 0.99, ">="),
-                   ("model A, k=2: overhead <= 1%", r["overhead"], 0.01, "<=")]
+        q1, q3 = r.get("overhead_quartiles", (None, None))
+        spread = f"median of {r['pairs']} pairs; quartiles {q1:+.2%} .. {q3:+.2%}" if q1 is not None else ""
+        checks += [("model A, k=2: saving >= 99% of theoretical", r["saving_ratio"], 0.99, ">=", ""),
+                   ("model A, k=2: overhead <= 1%", r["overhead"], 0.01, "<=", spread)]
     if 4 in engine:
         r = engine[4]
-        checks += [("model A, k=4: step time within 5% of the copy bound", r["step_over_bound"], 1.05, "<="),
-                   ("model A, k=4: device-to-host bandwidth >= 90% of measured", r["d2h_of_link"], 0.90, ">="),
-                   ("model A, k=4: host-to-device bandwidth >= 90% of measured", r["h2d_of_link"], 0.90, ">=")]
-    return [{"target": t, "value": v, "limit": lim,
-             "met": v is not None and (v >= lim if op == ">=" else v <= lim)} for t, v, lim, op in checks]
+        bound = f"{r['step_ms']:.1f} ms measured, {r['bound_ms']:.1f} ms bound" if r.get("bound_ms") else ""
+        checks += [("model A, k=4: step time within 5% of the copy bound", r["step_over_bound"], 1.05, "<=", bound),
+                   ("model A, k=4: device-to-host bandwidth >= 90% of measured", r["d2h_of_link"], 0.90, ">=", ""),
+                   ("model A, k=4: host-to-device bandwidth >= 90% of measured", r["h2d_of_link"], 0.90, ">=", "")]
+    return [{"target": t, "value": v, "limit": lim, "detail": detail,
+             "met": v is not None and (v >= lim if op == ">=" else v <= lim)} for t, v, lim, op, detail in checks]
 
 
 def _gib(n: int | None) -> str:
@@ -440,8 +454,8 @@ def markdown(results: dict[str, Any]) -> str:
         parts.append(format_markdown_table(rows, header))
     if results.get("targets"):
         rows = [[t["target"], "n/a" if t["value"] is None else f"{t['value']:.3f}", t["limit"],
-                 "met" if t["met"] else "**missed**"] for t in results["targets"]]
-        parts.append("### Targets\n\n" + format_markdown_table(rows, ["target", "value", "limit", "result"]))
+                 "met" if t["met"] else "**missed**", t["detail"]] for t in results["targets"]]
+        parts.append("### Targets\n\n" + format_markdown_table(rows, ["target", "value", "limit", "result", "detail"]))
     if results["skipped"]:
         parts.append("Skipped: " + "; ".join(f"{s} ({why})" for s, why in results["skipped"].items()) + ".")
     return "\n\n".join(parts) + "\n"

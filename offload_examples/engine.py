@@ -12,7 +12,7 @@
 3. **Released.** When the forward of layer ``N - k + i`` starts, layer ``i``'s records are
    released: the compute stream waits for each copy's event (on the device) and the engine drops
    its reference to the GPU memory, so the caching allocator can hand it to the next layer.
-4. **Reloaded.** When the backward of layer ``N - 1 - k + i`` starts (the gradient hook placed by
+4. **Reloaded.** When the backward of layer ``i + max(1, N - 2 - k)`` starts (the gradient hook placed by
    ``sync``), new GPU memory is allocated on the compute stream and filled on the host-to-device
    stream; each record gets its own event.
 5. **Used.** When autograd unpacks a :class:`_SavedView`, the compute stream waits for *that

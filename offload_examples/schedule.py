@@ -35,9 +35,11 @@ class DefaultSchedule:
 
     - Layer ``i < k`` is released before the forward of layer ``N - k + i`` starts, so at most
       ``N - k`` layers' activations are on the GPU at once.
-    - Its reload starts when the backward of layer ``N - 1 - k + i`` starts, which leaves
-      ``N - k`` layers of backward compute (at most) to hide the copy behind, and again keeps at
-      most ``N - k`` layers resident.
+    - Its reload starts when the backward of layer ``i + max(1, N - 2 - k)`` starts. That leaves
+      ``N - 2 - k`` layers of backward compute to hide the copy behind, and keeps at most
+      ``N - 1 - k`` layers resident at any backward phase: one layer fewer than the forward's
+      peak, which leaves room for the weight gradients and temporaries the backward allocates
+      on top of the activations (without it the backward, not the forward, becomes the peak).
 
     Parameters
     ----------
@@ -77,8 +79,13 @@ class DefaultSchedule:
         if phase == "forward":
             i = layer - (n - k)
             return [("release", i)] if 0 <= i < k else []
-        i = layer - (n - 1 - k)
+        i = layer - self.reload_lead
         return [("reload", i)] if 0 <= i < k else []
+
+    @property
+    def reload_lead(self) -> int:
+        """How many layers before its own backward an offloaded layer's reload starts."""
+        return max(1, self.model_layers - 2 - self.num_layers)
 
     def timeline(self) -> list[tuple[Phase, int]]:
         """The order in which layer phases start in one iteration."""

@@ -80,14 +80,16 @@ def test_bench_config_rejects_bad_input(changes, message):
 
 
 def test_copy_bound_by_hand():
-    s = DefaultSchedule(1, 2)  # layer 0 released before F1, reloaded when B0 starts
+    s = DefaultSchedule(1, 2)  # layer 0 released before F1, its reload starts with B1
     fwd, bwd = [1.0, 1.0], [2.0, 2.0]
     # infinitely fast copies: compute alone
     assert s.predict_step_ms(fwd, bwd, [10**6, 0], 1e12, 1e12) == pytest.approx(6.0)
-    # 1 ms each way: the copy out fits under F0, the reload (queued at B0) delays B0 by 1 ms
-    assert s.predict_step_ms(fwd, bwd, [10**6, 0], 1.0, 1.0) == pytest.approx(7.0)
-    # 2 ms each way: F1 waits 1 ms for the copy out, B0 waits 2 ms for the reload
-    assert s.predict_step_ms(fwd, bwd, [2 * 10**6, 0], 1.0, 1.0) == pytest.approx(9.0)
+    # 1 ms each way: the copy out fits under F0, the reload under B1
+    assert s.predict_step_ms(fwd, bwd, [10**6, 0], 1.0, 1.0) == pytest.approx(6.0)
+    # 2 ms each way: F1 waits 1 ms for the copy out (t=3); the reload (3..5) ends with B1
+    assert s.predict_step_ms(fwd, bwd, [2 * 10**6, 0], 1.0, 1.0) == pytest.approx(7.0)
+    # 3 ms each way: F1 waits 2 ms (t=4), B1 ends at 6 but the reload only at 7
+    assert s.predict_step_ms(fwd, bwd, [3 * 10**6, 0], 1.0, 1.0) == pytest.approx(9.0)
     assert DefaultSchedule(0, 2).predict_step_ms(fwd, bwd, [0, 0], 1.0, 1.0) == pytest.approx(6.0)
     with pytest.raises(ValueError, match="one per layer"):
         s.predict_step_ms([1.0], bwd, [0, 0], 1.0, 1.0)

@@ -75,7 +75,7 @@ def expected_events(n: int, k: int) -> list[tuple[str, int]]:
     for j in reversed(range(n)):
         events.append(("backward", j))
         for i in range(k):
-            if j == n - 1 - k + i:  # layer i's reload starts with the backward of N-1-k+i
+            if j == i + max(1, n - 2 - k):  # layer i's reload starts with the backward of i + max(1, N-2-k)
                 events.append(("reload_start", i))
     return events
 
@@ -141,8 +141,8 @@ def test_resident_bytes_match_the_schedule():
     def expected(phase, j):  # offloaded layers on the device, counted independently
         if phase == "forward":
             return sum(per_layer[i] for i in range(k) if i <= j < n - k + i)
-        # reloaded at the backward of N-1-k+i, freed when its own backward ends
-        return sum(per_layer[i] for i in range(k) if i <= j <= n - 1 - k + i)
+        # reloaded at the backward of i + max(1, N-2-k), freed when its own backward ends
+        return sum(per_layer[i] for i in range(k) if i <= j <= i + max(1, n - 2 - k))
 
     trace = ctx.resident_trace
     assert [(p, j) for p, j, _ in trace] == [("forward", j) for j in range(n)] + [
