@@ -45,7 +45,7 @@ from torch import nn
 from offload_examples import DefaultSchedule, get_cpu_offload_context
 from offload_examples.measure import measure_paired, measure_steps, paired_overhead
 from offload_examples.memory_history import MemoryCurve, record_memory_curve
-from offload_examples.models import Checkpointed, build_basic_model
+from offload_examples.models import Checkpointed, build_basic_model, has_transformer_engine
 from offload_examples.report import ProgressBar, format_bytes, format_markdown_table, write_json
 from offload_examples.timeline import Span, achieved_gb_per_s, record_layer_timeline
 
@@ -130,7 +130,7 @@ def available(strategy: str, device: torch.device) -> str | None:
     if strategy == "torchtune" and importlib.util.find_spec("torchtune") is None:
         return "torchtune is not installed"
     if strategy == "transformer_engine":
-        if importlib.util.find_spec("transformer_engine") is None:
+        if not has_transformer_engine():
             return "Transformer Engine is not installed"
         if device.type != "cuda":
             return "Transformer Engine needs CUDA"

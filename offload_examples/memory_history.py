@@ -46,11 +46,12 @@ def curve_from_snapshot(snapshot: Mapping[str, Any], base_bytes: int = 0, device
     block as no longer allocated at that point (it may be reused later, once the streams that
     used it are done). ``base_bytes`` is what was allocated before the history started.
     """
-    traces = snapshot.get("device_traces", [])
-    if device >= len(traces):
-        return MemoryCurve([], [])
+    return _curve(_trace(snapshot, device), base_bytes)
+
+
+def _curve(trace: list, base_bytes: int) -> MemoryCurve:
     ms, allocated, now, t0 = [], [], base_bytes, None
-    for entry in traces[device]:
+    for entry in trace:
         action = entry.get("action")
         if action == "alloc":
             now += entry["size"]
@@ -90,8 +91,7 @@ def record_memory_curve(fn: Callable[[], object]) -> MemoryCurve:
         snapshot = memory._snapshot()
     finally:
         memory._record_memory_history(None)
-    snapshot = {"device_traces": [[] for _ in range(device)] + [_trace(snapshot, device)[skip:]]}
-    return curve_from_snapshot(snapshot, base, device)
+    return _curve(_trace(snapshot, device)[skip:], base)
 
 
 def _trace(snapshot: Mapping[str, Any], device: int) -> list:
