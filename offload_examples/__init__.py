@@ -5,19 +5,24 @@ life of an offloaded tensor.
 """
 
 from .api import get_cpu_offload_context
-from .engine import LayerStats, OffloadEngine, OffloadSynchronizer, OffloadWarning, mark_not_offload
+from .engine import GraphCaptureError, LayerStats, OffloadEngine, OffloadSynchronizer, OffloadWarning, mark_not_offload
 from .host_pool import HostMemoryLimitError
+from .optim_offload import OptimizerOffload
 from .schedule import DefaultSchedule, SyncDictSchedule
+from .weight_stream import StreamedLayers
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DefaultSchedule",
+    "GraphCaptureError",
     "HostMemoryLimitError",
     "LayerStats",
     "OffloadEngine",
     "OffloadSynchronizer",
     "OffloadWarning",
+    "OptimizerOffload",
+    "StreamedLayers",
     "SyncDictSchedule",
     "get_cpu_offload_context",
     "mark_not_offload",

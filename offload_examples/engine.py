@@ -23,6 +23,18 @@
 
 Without a GPU the same code runs with CPU tensors: copies are synchronous and land in separate
 host buffers, and the originals are released exactly when they would be on the GPU.
+
+**Inside a CUDA graph capture** the same six steps are recorded instead of run: every copy, event
+record and event wait above is a stream operation, so it becomes a node of the graph, and each
+replay repeats them with no Python involved. Three things differ while capturing. Host buffers
+must already exist (pinning is a host call a capture cannot contain), so step 2 takes them from
+the pool's free lists, filled by an eager warm-up step, and the pool keeps them for the graph from
+then on. Step 2 does not wait for the buffer's last eager copy (``torch.cuda.graph`` synchronizes
+the device before capture begins, and a capture may not wait on an event recorded outside it).
+And a record may only be released, reloaded and used inside the capture that made it, so the
+forward and backward of offloaded layers must be captured together (a whole training step).
+Whatever cannot be captured raises :class:`GraphCaptureError` during the capture, so a graph
+never replays with copies missing.
 """
 
 from __future__ import annotations
@@ -36,12 +48,14 @@ from types import TracebackType
 
 import torch
 
-from .host_pool import HostBuffer, HostBufferPool, HostMemoryLimitError
+from .host_pool import HostBuffer, HostBufferPool, HostMemoryLimitError, NoFreeBufferError
 from .schedule import DefaultSchedule, RecordedSchedule, ResidentTrace, SyncDictSchedule
 from .streams import Streams
 from .timeline import StepRecorder
 
-__all__ = ["LayerStats", "OffloadEngine", "OffloadSynchronizer", "OffloadWarning", "mark_not_offload"]
+__all__ = [
+    "GraphCaptureError", "LayerStats", "OffloadEngine", "OffloadSynchronizer", "OffloadWarning", "mark_not_offload",
+]
 
 _KEEP_ATTR = "_offload_examples_keep"
 _active = threading.local()  # the engine whose context is open in this thread, if any
@@ -49,6 +63,14 @@ _active = threading.local()  # the engine whose context is open in this thread, 
 
 class OffloadWarning(UserWarning):
     """Something was not offloaded as asked, or was brought back later than planned."""
+
+
+class GraphCaptureError(RuntimeError):
+    """The engine was used in a way a CUDA graph cannot capture (raised during the capture).
+
+    Also raised by eager steps after :meth:`OffloadEngine.freeze_host_buffers`, which follow
+    the capture's rules without a GPU.
+    """
 
 
 def mark_not_offload(*tensors: torch.Tensor) -> None:
@@ -126,7 +148,7 @@ class _StorageRecord:
 
     __slots__ = (
         "engine", "layer", "iteration", "nbytes", "original", "version", "original_ref",
-        "device", "alloc_stream", "host", "offloaded", "reloaded", "views", "aborted",
+        "device", "alloc_stream", "host", "offloaded", "reloaded", "views", "aborted", "captured",
     )
 
     def __init__(self, engine: OffloadEngine, layer: int, t: torch.Tensor):
@@ -147,17 +169,25 @@ class _StorageRecord:
         self.reloaded: torch.cuda.Event | None = None
         self.views = 0
         self.aborted = False
+        #: Made while a CUDA graph was being captured: it lives only inside that graph.
+        self.captured = engine.capturing()
 
     def copy_out(self) -> None:
         """Borrow a host buffer and queue the device-to-host copy (step 2).
 
         Raises :class:`HostMemoryLimitError` (or the allocator's ``RuntimeError``) when no host
-        buffer can be had; the storage then simply stays on the device.
+        buffer can be had; the storage then simply stays on the device. During a capture, or
+        with frozen buffers, a missing buffer raises :class:`GraphCaptureError` instead: a graph
+        that silently kept the tensor on the device would not be the step that was asked for.
         """
-        self.host = self.engine.pool.acquire(self.nbytes)
+        try:
+            self.host = self.engine.pool.acquire(self.nbytes, for_graph=self.captured)
+        except NoFreeBufferError as err:
+            raise _no_buffer_error(self.layer, self.captured, err) from None
         s = self.engine.streams
         s.wait_stream(s.d2h, self.alloc_stream)  # the tensor was just written on the compute stream
-        s.wait(s.d2h, self.host.ready)  # the buffer's previous reload may still be reading it
+        if not self.captured:  # see the module docstring: the device was synchronized before capture
+            s.wait(s.d2h, self.host.ready)  # the buffer's previous reload may still be reading it
         recorder = self.engine.recorder
         start = recorder.mark(s.d2h) if recorder else None  # after the waits: when the copy can begin
         with s.on(s.d2h), torch.no_grad():
@@ -165,6 +195,22 @@ class _StorageRecord:
         self.offloaded = s.record(s.d2h)
         if recorder:
             recorder.add_copy("device-to-host", self.layer, start, recorder.mark(s.d2h), self.nbytes)
+
+    def check_capture(self, what: str) -> None:
+        """Refuse to mix a capture's records with work outside that capture (and vice versa)."""
+        now = self.engine.capturing()
+        if self.captured == now:
+            return
+        if self.captured:
+            raise GraphCaptureError(
+                f"layer {self.layer}'s saved tensors were offloaded inside a CUDA graph capture but are "
+                f"{what} outside it. Capture the forward and the backward of the offloaded layers in one "
+                "graph (torch.cuda.graph around the whole training step)."
+            )
+        raise GraphCaptureError(
+            f"layer {self.layer}'s saved tensors were offloaded before the CUDA graph capture began but are "
+            f"{what} inside it. Begin the capture before the first layer's forward (capture whole steps)."
+        )
 
     def check_version(self) -> None:
         t = self.original if self.original is not None else self.original_ref()
@@ -180,8 +226,11 @@ class _StorageRecord:
         if self.device is None:
             return
         s = self.engine.streams
-        s.wait(self.alloc_stream, self.offloaded)
-        s.wait(self.alloc_stream, self.reloaded)
+        if self.captured == self.engine.capturing():
+            s.wait(self.alloc_stream, self.offloaded)
+            s.wait(self.alloc_stream, self.reloaded)
+        # else the waits would cross a capture's edge, which CUDA forbids; they are not needed:
+        # the device was synchronized before the capture, and a graph's copies finish inside it.
         self.device = None
         self.original = None
 
@@ -329,8 +378,22 @@ class OffloadEngine:
         return [(kind, j) for kind, j in self.events if kind in ("forward", "backward")]
 
     def release_buffers(self) -> None:
-        """Free the pinned host buffers that are not in use."""
+        """Free the pinned host buffers that are not in use (those of captured graphs stay)."""
         self.pool.release()
+
+    def capturing(self) -> bool:
+        """Whether the current CUDA stream is being captured into a graph (never on the CPU)."""
+        return self.streams.is_cuda and torch.cuda.is_current_stream_capturing()
+
+    def freeze_host_buffers(self) -> None:
+        """Allocate no more host buffers: later steps reuse the ones made so far.
+
+        A CUDA graph capture needs exactly this, and the engine behaves so by itself while
+        capturing. Calling it after an eager warm-up step runs that graph-safe path eagerly (on
+        a CPU too): buffers stay fixed, nothing is pinned per step, and a step that would need a
+        new buffer raises :class:`GraphCaptureError` during its forward.
+        """
+        self.pool.frozen = True
 
     # ------------------------------------------------------------------ iterations
     def _new_iteration(self) -> None:
@@ -340,8 +403,8 @@ class OffloadEngine:
                 for rec in records:
                     if rec.host is not None:  # never-offloaded records keep their only copy
                         rec.drop_device()
-            if self.iteration >= 0:
-                self.pool.end_iteration()
+            if self.iteration >= 0:  # a capture starting now takes its buffers from the free lists
+                self.pool.end_iteration(keep_free=self.capturing() or self.pool.frozen)
             self.iteration += 1
             n = self.model_layers
             self._records: list[list[_StorageRecord]] = [[] for _ in range(n)]
@@ -381,6 +444,11 @@ class OffloadEngine:
                 "another offload context is already active in this thread: contexts cannot be nested "
                 "(the inner one would take every tensor the outer one should see). Give each layer "
                 "one context; two models may each have their own, entered one after the other."
+            )
+        if self.capturing() and self.recorder is not None:
+            raise GraphCaptureError(
+                "timing marks are read on the host after the step, which a CUDA graph replay never "
+                "reaches: record a timeline of an eager step, or of a replay with the profiler"
             )
         with self._lock:
             n = self.model_layers
@@ -456,6 +524,8 @@ class OffloadEngine:
                 continue
             try:
                 rec.copy_out()
+            except GraphCaptureError:
+                raise
             except (HostMemoryLimitError, RuntimeError) as err:
                 self._warn_once("host", f"keeping saved tensors of layer {layer} on the device: {err}")
                 continue
@@ -470,6 +540,7 @@ class OffloadEngine:
         """Step 3: the compute stream waits for the copies, then the GPU memory is dropped."""
         for rec in self._records[layer]:
             if rec.device is not None and rec.host is not None:
+                rec.check_capture("released")
                 rec.check_version()
                 rec.drop_device()
                 self.resident_bytes -= rec.nbytes
@@ -482,13 +553,24 @@ class OffloadEngine:
         compute = s.current()
         todo = [r for r in records if r.device is None and r.host is not None and not r.aborted]
         for rec in todo:
+            rec.check_capture("reloaded")
+        for rec in todo:
             rec.device = torch.empty(rec.nbytes, dtype=torch.uint8, device=self.device)
             rec.alloc_stream = compute
             if rec.iteration == self.iteration:
                 self.resident_bytes += rec.nbytes
         s.wait_stream(s.h2d, compute)
         for rec in todo:
-            rec.copy_in(compute)
+            try:
+                rec.copy_in(compute)
+            except RuntimeError as err:  # CUDA refuses to wait on an event of another capture
+                if not rec.captured:
+                    raise
+                raise GraphCaptureError(
+                    f"layer {rec.layer}'s saved tensors were offloaded in one CUDA graph capture and are "
+                    "reloaded in another (make_graphed_callables captures forward and backward separately). "
+                    "Capture the forward and the backward of the offloaded layers in one graph."
+                ) from err
 
     def _reload_layer(self, layer: int) -> None:
         self._reload(self._records[layer])
@@ -586,6 +668,8 @@ class OffloadEngine:
         if self.copy_on_save:
             try:
                 rec.copy_out()
+            except GraphCaptureError:
+                raise
             except (HostMemoryLimitError, RuntimeError) as err:
                 self._warn_once("host", f"keeping saved tensors on the device: {err}")
                 self.stats[layer].candidate_bytes -= rec.nbytes  # counted again as kept below
@@ -607,6 +691,7 @@ class OffloadEngine:
                 "this saved tensor belonged to a forward pass that raised an exception; "
                 "its memory was given back. Run the forward again before calling backward."
             )
+        rec.check_capture("used by backward")
         rec.check_version()
         if rec.device is None:
             if isinstance(self.schedule, SyncDictSchedule) and rec.iteration == self.iteration:
@@ -652,6 +737,16 @@ class OffloadEngine:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(message, OffloadWarning, stacklevel=3)
+
+
+def _no_buffer_error(layer: int, captured: bool, err: NoFreeBufferError) -> GraphCaptureError:
+    if captured:
+        why = ("pinning host memory is a host call that a CUDA graph capture cannot contain. Run at least "
+               "one eager step with the same shapes before capturing, so the pool holds every buffer")
+    else:
+        why = ("the host buffers were frozen (freeze_host_buffers), so a step may only use buffers that "
+               "earlier steps made; this step saves a tensor of a size they did not")
+    return GraphCaptureError(f"layer {layer}: {err}: {why}")
 
 
 _STATE_WORDS = {

@@ -9,6 +9,12 @@ from the free lists.
 A buffer can be handed out again only after the last copy that touched it has finished. The
 pool does not wait for that on the host: it stores the CUDA event of that copy with the buffer,
 and the next user makes its copy stream wait on the event (a device-side wait, no host sync).
+
+A CUDA graph bakes the addresses of the buffers it copies into and out of into its copy nodes,
+and every replay uses them again. Buffers lent during a capture are therefore *kept for the
+graph*: when they come back they leave circulation for good (never lent again, never freed by
+:meth:`HostBufferPool.end_iteration` or :meth:`HostBufferPool.release`), so no eager step can
+overwrite them and no replay can write into freed memory.
 """
 
 from __future__ import annotations
@@ -19,11 +25,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["HostBuffer", "HostBufferPool", "HostMemoryLimitError"]
+__all__ = ["HostBuffer", "HostBufferPool", "HostMemoryLimitError", "NoFreeBufferError"]
 
 
 class HostMemoryLimitError(RuntimeError):
     """Raised by :meth:`HostBufferPool.acquire` when a buffer would exceed the host-memory cap."""
+
+
+class NoFreeBufferError(RuntimeError):
+    """Raised by :meth:`HostBufferPool.acquire` when allocation is not allowed and none is free."""
 
 
 @dataclass(eq=False)
@@ -37,11 +47,14 @@ class HostBuffer:
     ready:
         CUDA event recorded after the last copy that read or wrote ``data``; ``None`` when no
         copy is pending (always on CPU).
+    for_graph:
+        Lent during a CUDA graph capture: the graph owns it from then on.
     """
 
     data: torch.Tensor
     ready: torch.cuda.Event | None = None
     used_in_iteration: int = field(default=-1)
+    for_graph: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -70,6 +83,7 @@ class HostBufferPool:
         self.retain = retain
         self.limit_bytes = limit_bytes
         self._free: dict[int, list[HostBuffer]] = defaultdict(list)
+        self._kept_for_graphs: list[HostBuffer] = []
         self._lock = threading.Lock()
         self._iteration = 0
         #: Bytes of host memory the pool holds (lent out or free).
@@ -78,16 +92,29 @@ class HostBufferPool:
         self.peak_bytes = 0
         #: How many buffers were newly allocated (pinned) since the pool was made.
         self.allocations = 0
+        #: When set, :meth:`acquire` never allocates: every buffer must come from the free lists.
+        self.frozen = False
 
-    def acquire(self, nbytes: int) -> HostBuffer:
-        """Lend a buffer of exactly ``nbytes``; allocate one only if none is free."""
+    def acquire(self, nbytes: int, *, for_graph: bool = False) -> HostBuffer:
+        """Lend a buffer of exactly ``nbytes``; allocate one only if none is free.
+
+        With ``for_graph`` (during a CUDA graph capture) or when the pool is :attr:`frozen`,
+        nothing is allocated: pinning is a host-side call a capture cannot contain, and a frozen
+        pool promises fixed buffers. :class:`NoFreeBufferError` is raised instead.
+        """
         with self._lock:
             free = self._free.get(nbytes)
             if free:
                 buf = free.pop()
+            elif for_graph or self.frozen:
+                raise NoFreeBufferError(
+                    f"no free host buffer of {nbytes} bytes ({sum(map(len, self._free.values()))} free buffers "
+                    f"of other sizes) and the pool may not allocate now"
+                )
             else:
                 buf = self._allocate(nbytes)
             buf.used_in_iteration = self._iteration
+            buf.for_graph = buf.for_graph or for_graph
             return buf
 
     def _allocate(self, nbytes: int) -> HostBuffer:
@@ -106,19 +133,31 @@ class HostBufferPool:
         """Return a buffer; ``ready`` is the event of the last copy that touched it."""
         buf.ready = ready
         with self._lock:
-            self._free[buf.nbytes].append(buf)
+            if buf.for_graph:  # a captured graph copies into it on every replay
+                self._kept_for_graphs.append(buf)
+            else:
+                self._free[buf.nbytes].append(buf)
 
-    def end_iteration(self) -> None:
-        """Drop free buffers that the iteration just ended did not use (all, unless retaining)."""
+    def end_iteration(self, keep_free: bool = False) -> None:
+        """Drop free buffers that the iteration just ended did not use (all, unless retaining).
+
+        ``keep_free`` keeps every free buffer (a capture is starting and will need them).
+        """
         with self._lock:
             for nbytes, bufs in list(self._free.items()):
-                keep = [b for b in bufs if self.retain and b.used_in_iteration == self._iteration]
+                keep = [b for b in bufs if keep_free or (self.retain and b.used_in_iteration == self._iteration)]
                 self.held_bytes -= nbytes * (len(bufs) - len(keep))
                 self._free[nbytes] = keep
             self._iteration += 1
 
+    @property
+    def graph_bytes(self) -> int:
+        """Bytes kept for captured CUDA graphs (freed only with the pool)."""
+        with self._lock:
+            return sum(b.nbytes for b in self._kept_for_graphs)
+
     def release(self) -> None:
-        """Free every buffer not currently lent out."""
+        """Free every buffer not currently lent out (buffers kept for graphs stay)."""
         with self._lock:
             for nbytes, bufs in self._free.items():
                 self.held_bytes -= nbytes * len(bufs)

@@ -18,7 +18,7 @@ from torch import nn
 
 __all__ = [
     "GradCheck", "Measurement", "compare_grads", "deterministic_kernels", "measure_paired", "measure_steps",
-    "memory_by_phase", "paired_overhead", "resident_vs_theory",
+    "memory_by_phase", "paired_overhead", "resident_vs_theory", "snapshot",
     "training_step",
 ]
 
@@ -99,12 +99,21 @@ def _timed(fn: Callable[[], torch.Tensor], cuda: bool) -> tuple[float, torch.Ten
     return begin.elapsed_time(end), out
 
 
-def _finish(label: str, model: nn.Module, x: torch.Tensor, times: list[float], peak, baseline, out) -> Measurement:
+def snapshot(model: nn.Module, x: torch.Tensor, out: torch.Tensor, label: str = "") -> Measurement:
+    """Copy the output and every gradient (parameters and ``x``) to host memory, leaving them in place.
+
+    For steps whose tensors must stay where they are, such as a replayed CUDA graph's.
+    """
     grads = {name: p.grad.to("cpu", copy=True) for name, p in model.named_parameters() if p.grad is not None}
     if x.grad is not None:
         grads["input"] = x.grad.to("cpu", copy=True)
+    return Measurement(label, [], None, None, out.to("cpu", copy=True), grads)
+
+
+def _finish(label: str, model: nn.Module, x: torch.Tensor, times: list[float], peak, baseline, out) -> Measurement:
+    m = snapshot(model, x, out, label)
     _zero_grads(model, x)
-    return Measurement(label, times, peak, baseline, out.to("cpu", copy=True), grads)
+    return Measurement(label, times, peak, baseline, m.output, m.grads)
 
 
 def measure_steps(

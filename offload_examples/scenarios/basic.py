@@ -22,11 +22,9 @@ The heart of it, which is all a training loop needs::
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import platform
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -35,7 +33,8 @@ import torch
 from offload_examples import get_cpu_offload_context
 from offload_examples.measure import compare_grads, deterministic_kernels, measure_steps, resident_vs_theory
 from offload_examples.models import build_basic_model
-from offload_examples.report import format_bytes, format_table, write_json
+from offload_examples.report import format_bytes, format_table
+from offload_examples.scenarios.cli import scenario_main
 
 __all__ = ["BasicConfig", "format_report", "main", "run"]
 
@@ -156,26 +155,9 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m offload_examples basic", description=__doc__.split("\n")[0])
-    parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
-    parser.add_argument("--small", action="store_true", help="use the small CPU-sized model on any device")
-    for f in dataclasses.fields(BasicConfig):
-        if f.type in ("int", "str"):
-            parser.add_argument(f"--{f.name.replace('_', '-')}", type=int if f.type == "int" else str)
-    parser.add_argument("--no-retain-pinned", dest="retain_pinned", action="store_false", default=None)
-    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(BasicConfig)
-               if getattr(args, f.name, None) is not None}
-    config = BasicConfig.small(**changes) if args.small else BasicConfig.for_device(device, **changes)
-    report = run(config, device, progress=lambda s: print(s, flush=True))
-    print(format_report(report))
-    if args.json:
-        print(f"wrote {write_json(args.json, report)}")
-    if not report["grads_equal"]:
-        sys.exit("gradients differ with offloading")
-    return report
+    return scenario_main("basic", __doc__, BasicConfig, run, format_report, argv,
+                         extra=lambda p: p.add_argument("--no-retain-pinned", dest="retain_pinned", action="store_false",
+                                                        default=None))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,214 @@
+"""Scenario 6, optimizer-state offload: Adam's moments of a fraction of the parameters on the host.
+
+The same model trains for a few steps with the plain optimizer and with
+:class:`~offload_examples.optim_offload.OptimizerOffload` at fractions from 0 to 1. For each the
+report gives the GPU memory after the steps (weights, optimizer state), the saving against the
+state bytes the offloaded parameters would hold on the GPU, the step time, and how far the
+parameters are from the plain optimizer's.
+
+Run it::
+
+    python -m offload_examples optimizer-offload              # full size on a GPU
+    python -m offload_examples optimizer-offload --fractions 0,0.5,1 --json results/optim.json
+
+The heart of it::
+
+    optimizer = OptimizerOffload(model.parameters(), torch.optim.Adam, fraction=0.5, lr=1e-3)
+    loss(model(x)).backward()
+    optimizer.step(); optimizer.zero_grad(set_to_none=True)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from offload_examples.measure import training_step
+from offload_examples.models import build_linear_stack
+from offload_examples.optim_offload import OptimizerOffload
+from offload_examples.report import format_bytes, format_table, write_json
+
+__all__ = ["OptimizerConfig", "format_report", "main", "run"]
+
+
+@dataclass
+class OptimizerConfig:
+    """Sizes of the optimizer scenario: ``layers`` blocks of Linear(width, 4 width), GELU,
+    Linear(4 width, width) in fp32, trained with Adam. The defaults are the GPU size."""
+
+    layers: int = 8
+    width: int = 2048
+    seq: int = 1024
+    batch: int = 4
+    fractions: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    lr: float = 1e-3
+    steps: int = 10
+    warmup: int = 2
+    seed: int = 0
+
+    @classmethod
+    def small(cls, **changes: Any) -> OptimizerConfig:
+        """A size that runs in seconds on a CPU."""
+        return cls(**{**dict(layers=3, width=32, seq=8, batch=2, steps=4, warmup=1), **changes})
+
+    @classmethod
+    def for_device(cls, device: torch.device, **changes: Any) -> OptimizerConfig:
+        return cls(**changes) if device.type == "cuda" else cls.small(**changes)
+
+
+def _train(config: OptimizerConfig, device: torch.device, fraction: float | None,
+           say: Callable[[str], None]) -> dict[str, Any]:
+    """Train ``warmup + steps`` steps; memory, time, and the parameters after the first and last step."""
+    model = build_linear_stack(config.layers, config.width, device=device, seed=config.seed)
+    gen = torch.Generator(device="cpu").manual_seed(config.seed + 1)
+    xs = [torch.randn(config.batch, config.seq, config.width, generator=gen).to(device) for _ in range(4)]
+    if fraction is None:
+        opt = torch.optim.Adam(model.parameters(), lr=config.lr)
+    else:
+        opt = OptimizerOffload(model.parameters(), torch.optim.Adam, fraction, lr=config.lr)
+    cuda = device.type == "cuda"
+    times, first = [], None
+    for i in range(config.warmup + config.steps):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        training_step(model, xs[i % len(xs)])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= config.warmup:
+            times.append((time.perf_counter() - start) * 1e3)
+        if i == 0:
+            first = [p.detach().to("cpu", copy=True) for p in model.parameters()]
+    label = "plain Adam" if fraction is None else f"fraction {fraction:g}"
+    say(f"  [{label}] {config.warmup + config.steps} steps, median {sorted(times)[len(times) // 2]:.1f} ms")
+    out = {
+        "label": label,
+        "fraction": fraction,
+        "step_ms": sorted(times)[len(times) // 2],
+        "gpu_bytes": torch.cuda.memory_allocated(device) if cuda else None,
+        "first": first,
+        "last": [p.detach().to("cpu", copy=True) for p in model.parameters()],
+    }
+    if fraction is not None:
+        out.update(offloaded_fraction=opt.offloaded_fraction, state_bytes=opt.state_bytes(),
+                   theoretical_saving_bytes=opt.theoretical_device_saving(), late_grad_copies=opt.late_grad_copies)
+        opt.close()
+    del model, opt
+    return out
+
+
+def _difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict[str, Any]:
+    """How far two parameter lists are apart: bitwise, worst element, worst relative L2 per tensor."""
+    return {
+        "bitwise": all(torch.equal(x, y) for x, y in zip(a, b)),
+        "max_abs": max((x - y).abs().max().item() for x, y in zip(a, b)),
+        "max_rel_l2": max(((x - y).norm() / y.norm()).item() for x, y in zip(a, b)),
+    }
+
+
+def run(
+    config: OptimizerConfig | None = None,
+    device: torch.device | str | None = None,
+    progress: Callable[[str], None] | None = print,
+) -> dict[str, Any]:
+    """Run the scenario and return its report (see :func:`format_report`)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # see the basic scenario
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    config = config or OptimizerConfig.for_device(device)
+    say = progress or (lambda _: None)
+    say(f"optimizer-offload scenario on {device}: {config.layers} layers of width {config.width}, Adam")
+    torch.use_deterministic_algorithms(True, warn_only=True)  # the same gradients in every run
+    try:
+        plain = _train(config, device, None, say)
+        runs = [_train(config, device, f, say) for f in config.fractions]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    rows = []
+    for r in runs:
+        saving = None if plain["gpu_bytes"] is None else plain["gpu_bytes"] - r["gpu_bytes"]
+        theory = r["theoretical_saving_bytes"]
+        rows.append({
+            "fraction": r["fraction"], "offloaded_fraction": r["offloaded_fraction"], "step_ms": r["step_ms"],
+            "gpu_bytes": r["gpu_bytes"], "saving_bytes": saving, "theoretical_saving_bytes": theory,
+            "saving_ratio": None if saving is None or not theory else saving / theory,
+            "state_bytes": r["state_bytes"], "late_grad_copies": r["late_grad_copies"],
+            "after_first_step": _difference(r["first"], plain["first"]),
+            "after_last_step": _difference(r["last"], plain["last"]),
+        })
+    zero = [r for r in rows if r["fraction"] == 0.0]
+    return {
+        "scenario": "optimizer-offload",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "config": dataclasses.asdict(config),
+        "plain": {"step_ms": plain["step_ms"], "gpu_bytes": plain["gpu_bytes"]},
+        "rows": rows,
+        "offloaded_bytes": max(r["state_bytes"]["host"] for r in rows),
+        # fraction 0 must be the plain optimizer exactly; on a CPU every fraction must be
+        "grads_equal": all(r["after_last_step"]["bitwise"] for r in (rows if device.type == "cpu" else zero)),
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """One row per fraction, with the plain optimizer first."""
+    c = report["config"]
+    table = [("plain Adam", "", format_bytes(report["plain"]["gpu_bytes"]) if report["plain"]["gpu_bytes"] else "n/a",
+              "", f"{report['plain']['step_ms']:.1f} ms", "", "")]
+    for r in report["rows"]:
+        ratio = "" if r["saving_ratio"] is None else f"{r['saving_ratio']:.1%}"
+        first, last = r["after_first_step"], r["after_last_step"]
+        table.append((
+            f"fraction {r['fraction']:g}", f"{r['offloaded_fraction']:.2f}",
+            format_bytes(r["gpu_bytes"]) if r["gpu_bytes"] is not None else "n/a (no CUDA)",
+            f"{format_bytes(r['theoretical_saving_bytes'])} ({ratio})" if ratio else format_bytes(
+                r["theoretical_saving_bytes"]),
+            f"{r['step_ms']:.1f} ms",
+            "bitwise" if first["bitwise"] else f"{first['max_abs']:.1e}",
+            "bitwise" if last["bitwise"] else f"{last['max_abs']:.1e} (L2 {last['max_rel_l2']:.1e})",
+        ))
+    header = ("optimizer", "offloaded", "GPU memory", "state off the GPU (measured/theory)", "step time",
+              "vs plain after step 1", f"after step {c['warmup'] + c['steps']}")
+    return "\n".join([
+        f"{report['device']} (torch {report['torch']}): {c['layers']} x [Linear {c['width']}->{4 * c['width']}, GELU, "
+        f"Linear], fp32, Adam lr {c['lr']:g}",
+        format_table(table, header=header),
+        f"fraction 0 (and, on a CPU, every fraction) bitwise equal to plain Adam: {report['grads_equal']}",
+    ])
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python -m offload_examples optimizer-offload",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--small", action="store_true", help="use the small CPU-sized model on any device")
+    for name in ("layers", "width", "seq", "batch", "steps", "warmup", "seed"):
+        parser.add_argument(f"--{name}", type=int)
+    parser.add_argument("--fractions", type=lambda s: [float(f) for f in s.split(",")],
+                        help="comma-separated, e.g. 0,0.5,1")
+    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    changes = {k: v for k, v in vars(args).items()
+               if k in {f.name for f in dataclasses.fields(OptimizerConfig)} and v is not None}
+    config = OptimizerConfig.small(**changes) if args.small else OptimizerConfig.for_device(device, **changes)
+    report = run(config, device, progress=lambda s: print(s, flush=True))
+    print(format_report(report))
+    if args.json:
+        print(f"wrote {write_json(args.json, report)}")
+    if not report["grads_equal"]:
+        sys.exit("parameters differ from the plain optimizer where they must be equal")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""Weight streaming: train a stack of layers whose weights live in pinned host memory.
+
+The life of one layer's weights during a training step, in the order it happens:
+
+1. **At rest.** All parameters of layer ``l`` share one flat pinned host buffer (from the same
+   :class:`~offload_examples.host_pool.HostBufferPool` the activation engine uses); each
+   parameter's ``.data`` is a view of it, so an optimizer on the host updates them in place.
+2. **Loaded.** GPU memory for the layer is allocated on the compute stream, and the
+   host-to-device stream, after waiting for the compute stream (the memory may be what the
+   previous layer used until just now), copies the flat buffer into it. An event marks the end.
+3. **Forward.** Before layer ``l`` runs, the compute stream waits for its load event and the
+   load of layer ``l + 1`` is queued, so it overlaps with layer ``l``'s compute. The parameters
+   point at the GPU copy while the layer runs without recording a graph: only the layer's input
+   is kept for backward (activation recomputation). Then they point back at the host and the
+   GPU copy is dropped; the compute stream allocated and last used it, so it can be reused at once.
+4. **Backward.** Layer ``l`` is loaded again (prefetched while layer ``l + 1`` ran backward), the
+   load of layer ``l - 1`` is queued, and the layer's forward runs again from its saved input,
+   this time recording a graph, which ``torch.autograd.grad`` differentiates: the input's
+   gradient goes on to layer ``l - 1`` and the parameters' gradients stay on the GPU.
+5. **Written back.** The device-to-host stream, after waiting for the compute stream, copies the
+   gradients into a second flat pinned buffer, whose views become the parameters' ``.grad``.
+   The GPU gradients are dropped one layer later, after the compute stream has waited for that
+   copy's event (on the device), so the write-back of layer ``l + 1`` overlaps with layer ``l``.
+6. **Done.** When layer 0's backward ends the host waits for the last write-back, so the
+   gradients are complete when ``backward()`` returns and a host optimizer can step.
+
+At most two layers' weights and two layers' gradients are on the GPU at any time. Without a GPU
+the same code runs with CPU tensors; the copies are then synchronous.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from .host_pool import HostBuffer, HostBufferPool
+from .streams import Streams
+
+__all__ = ["StreamedLayers"]
+
+_ALIGN = 64  # bytes: every view starts aligned for any dtype
+
+
+class _Layout:
+    """Where each parameter of one layer sits in its flat buffer: ``(param, offset, nbytes)``."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        self.slots: list[tuple[nn.Parameter, int, int]] = []
+        offset = 0
+        for p in params:
+            n = p.numel() * p.element_size()
+            self.slots.append((p, offset, n))
+            offset += -(-n // _ALIGN) * _ALIGN
+        self.nbytes = offset
+
+    def views(self, flat: torch.Tensor) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+        for p, offset, n in self.slots:
+            yield p, flat[offset:offset + n].view(p.dtype).view(p.shape)
+
+
+class StreamedLayers(nn.Module):
+    """Run ``layers`` in order with their weights streamed from pinned host memory.
+
+    Parameters
+    ----------
+    layers:
+        Any modules applied one after the other (``x = layer(x)``); each may hold any number
+        of parameters. Their parameters move to pinned host memory; their buffers move to
+        ``device`` and stay there.
+    device:
+        Where the layers compute.
+
+    Gradients are *written*, not accumulated: each parameter's ``.grad`` must be ``None`` when
+    backward reaches its layer (``optimizer.zero_grad(set_to_none=True)``). Random layers (dropout)
+    recompute with the random state of their first run.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], device: torch.device | str):
+        super().__init__()
+        if len(layers) == 0:
+            raise ValueError("StreamedLayers needs at least one layer")
+        self.layers = nn.ModuleList(layers)
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.streams = Streams(self.device)
+        self.pool = HostBufferPool(pin_memory=self.device.type == "cuda")
+        self._layouts = [_Layout(list(layer.parameters())) for layer in self.layers]
+        seen: set[int] = set()
+        for i, layout in enumerate(self._layouts):
+            for p in layout.params:
+                if id(p) in seen:
+                    raise ValueError(f"layer {i} shares a parameter with an earlier layer; streamed layers "
+                                     "must own their parameters (each is loaded and written back once)")
+                seen.add(id(p))
+        self._host = [self._to_host(layout) for layout in self._layouts]
+        self._grads = [self.pool.acquire(layout.nbytes) for layout in self._layouts]
+        for layer in self.layers:
+            for b in layer.buffers():
+                b.data = b.data.to(self.device)
+        #: GPU copies by layer: ``(flat weights, load event)``; gradients waiting to be dropped.
+        self._loaded: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+        self._writing: dict[int, tuple[list[torch.Tensor], torch.cuda.Event | None]] = {}
+        #: Bytes of weights and gradients on the device now, and the most seen at once.
+        self.device_bytes = 0
+        self.peak_device_bytes = 0
+        #: ``(action, layer)`` in the order queued: ``load``, ``drop`` (weights), ``write``, ``free``
+        #: (gradients). Cleared at the start of every forward.
+        self.events: list[tuple[str, int]] = []
+
+    # ------------------------------------------------------------------ read-outs
+    @property
+    def weight_bytes(self) -> list[int]:
+        """Bytes of each layer's parameters (as laid out in its flat buffer)."""
+        return [layout.nbytes for layout in self._layouts]
+
+    def resident_bound(self) -> int:
+        """The most weight and gradient bytes streaming may hold: two layers' weights and gradients."""
+        top = sorted(self.weight_bytes, reverse=True)[:2]
+        return 2 * sum(top)
+
+    def reset_peak(self) -> None:
+        self.peak_device_bytes = self.device_bytes
+
+    # ------------------------------------------------------------------ steps 1, 2 and 5
+    def _to_host(self, layout: _Layout) -> HostBuffer:
+        """Step 1: copy the parameters into one pinned buffer and point them at it."""
+        buf = self.pool.acquire(layout.nbytes)
+        with torch.no_grad():
+            for p, view in layout.views(buf.data):
+                view.copy_(p.data)
+                p.data = view
+        return buf
+
+    def _count(self, nbytes: int) -> None:
+        self.device_bytes += nbytes
+        self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
+
+    def _load(self, i: int) -> None:
+        """Step 2: queue the host-to-device copy of layer ``i`` (no-op if loaded or out of range)."""
+        if not 0 <= i < len(self.layers) or i in self._loaded:
+            return
+        s = self.streams
+        flat = torch.empty(self._layouts[i].nbytes, dtype=torch.uint8, device=self.device)  # on compute
+        self._count(flat.numel())
+        s.wait_stream(s.h2d, s.current())  # the memory may still be in use by queued compute work
+        with s.on(s.h2d), torch.no_grad():
+            flat.copy_(self._host[i].data, non_blocking=True)
+        self._loaded[i] = (flat, s.record(s.h2d))
+        self.events.append(("load", i))
+
+    def _use(self, i: int) -> None:
+        """Point layer ``i``'s parameters at its GPU copy, once the compute stream has waited for it."""
+        self._load(i)  # a layer run out of order is loaded on demand
+        flat, loaded = self._loaded[i]
+        self.streams.wait(self.streams.current(), loaded)
+        for p, view in self._layouts[i].views(flat):
+            p.data = view
+
+    def _unuse(self, i: int, drop: bool = True) -> None:
+        """Point the parameters back at the host and drop the GPU copy (used on the compute stream only)."""
+        for p, view in self._layouts[i].views(self._host[i].data):
+            p.data = view
+        if drop:
+            flat, _ = self._loaded.pop(i)
+            self.device_bytes -= flat.numel()
+            self.events.append(("drop", i))
+
+    def _write_back(self, i: int, grads: list[torch.Tensor | None]) -> None:
+        """Step 5: queue the device-to-host copy of layer ``i``'s gradients into its host buffer."""
+        s = self.streams
+        s.wait_stream(s.d2h, s.current())  # the gradients were just computed on the compute stream
+        host = dict(self._layouts[i].views(self._grads[i].data))
+        kept = []
+        with s.on(s.d2h), torch.no_grad():
+            for p, g in zip(self._layouts[i].params, grads):
+                if g is None:  # the parameter did not take part: like autograd, leave .grad unset
+                    continue
+                host[p].copy_(g, non_blocking=True)
+                kept.append(g)
+        self._writing[i] = (kept, s.record(s.d2h))
+        self.events.append(("write", i))
+        for p, g in zip(self._layouts[i].params, grads):
+            if g is not None:
+                p.grad = host[p]
+
+    def _drop_written(self, keep: int | None = None) -> None:
+        """Drop GPU gradients whose write-back was queued, except layer ``keep``'s.
+
+        The compute stream allocated them and will reuse the memory, so it first waits (on the
+        device) for the copy that reads them.
+        """
+        for i in [j for j in self._writing if j != keep]:
+            grads, written = self._writing.pop(i)
+            self.streams.wait(self.streams.current(), written)
+            self.device_bytes -= sum(g.numel() * g.element_size() for g in grads)
+            self.events.append(("free", i))
+
+    # ------------------------------------------------------------------ the model
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.events = []
+        for i, layout in enumerate(self._layouts):
+            # The parameters go in too (unused) so that the output requires grad even when x does not.
+            x = _StreamedLayer.apply(x, self, i, *layout.params)
+        return x
+
+    def _forward_layer(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        self._use(i)
+        self._load(i + 1)  # prefetch: overlaps with this layer's compute
+        try:
+            return self.layers[i](x)
+        finally:  # the last layer stays loaded: its backward comes next
+            self._unuse(i, drop=i < len(self.layers) - 1)
+
+    def _backward_layer(self, i: int, x: torch.Tensor, grad_out: torch.Tensor, rng) -> torch.Tensor | None:
+        params = self._layouts[i].params
+        if any(p.grad is not None for p in params):
+            raise RuntimeError(
+                f"layer {i}: weight streaming writes gradients instead of accumulating them, and a parameter "
+                "already has one. Clear gradients with zero_grad(set_to_none=True) before each backward."
+            )
+        self._use(i)
+        self._load(i - 1)  # prefetch the next layer backward reaches
+        self._drop_written(keep=i + 1)  # layer i + 1's write-back keeps running during this layer
+        try:
+            with torch.enable_grad(), _restored_rng(rng, self.device):
+                x = x.detach().requires_grad_(x.requires_grad)
+                y = self.layers[i](x)
+                inputs = [x] + params if x.requires_grad else params
+                grads = torch.autograd.grad(y, inputs, grad_out, allow_unused=True)
+        finally:
+            self._unuse(i)
+        grad_x, grad_params = (grads[0], grads[1:]) if x.requires_grad else (None, grads)
+        self._count(sum(g.numel() * g.element_size() for g in grad_params if g is not None))
+        self._write_back(i, list(grad_params))
+        if i == 0:  # step 6: a host optimizer reads the gradients next
+            self._drop_written()
+            if self.streams.is_cuda:
+                self.streams.d2h.synchronize()
+        return grad_x
+
+
+def _rng_state(device: torch.device):
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+class _restored_rng:
+    """Run the recomputation with the random state its first run had, then restore the present one."""
+
+    def __init__(self, state, device: torch.device):
+        self.state, self.device = state, device
+
+    def __enter__(self) -> None:
+        self.saved = _rng_state(self.device)
+        torch.set_rng_state(self.state[0])
+        if self.state[1] is not None:
+            torch.cuda.set_rng_state(self.state[1], self.device)
+
+    def __exit__(self, *exc) -> None:
+        torch.set_rng_state(self.saved[0])
+        if self.saved[1] is not None:
+            torch.cuda.set_rng_state(self.saved[1], self.device)
+
+
+class _StreamedLayer(torch.autograd.Function):
+    """One layer: forward without a graph, backward by recomputation (steps 3 and 4)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, owner: StreamedLayers, i: int, *params: nn.Parameter) -> torch.Tensor:
+        ctx.owner, ctx.i = owner, i
+        ctx.rng = _rng_state(owner.device)
+        ctx.save_for_backward(x)
+        return owner._forward_layer(i, x)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        grad_x = ctx.owner._backward_layer(ctx.i, x, grad_out, ctx.rng)
+        # The parameters' gradients were written to their .grad on the host already.
+        return (grad_x, None, None) + (None,) * len(ctx.owner._layouts[ctx.i].params)

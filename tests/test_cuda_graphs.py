@@ -1,0 +1,204 @@
+"""CUDA graphs with offloading.
+
+CPU: the graph-safe path (frozen host buffers: fixed buffers, nothing pinned per step, a clear
+error instead of a silent fallback) runs eagerly and gives bitwise-equal gradients; the pool keeps
+a graph's buffers out of circulation. GPU: a whole captured step replays with every gradient
+bitwise equal to an eager step without offloading, the saving during replay is the theory's, the
+replay is no slower than the eager offloaded step, and what cannot be captured fails at capture.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from offload_examples import GraphCaptureError, get_cpu_offload_context
+from offload_examples.graphs import capture_step
+from offload_examples.host_pool import HostBufferPool, NoFreeBufferError
+from offload_examples.measure import compare_grads, deterministic_kernels, measure_steps, training_step
+from offload_examples.models import build_basic_model, build_linear_stack
+from offload_examples.scenarios.cuda_graphs import GraphsConfig, format_report, run
+
+
+def free_buffer_ids(pool: HostBufferPool) -> set[int]:
+    return {id(b) for bufs in pool._free.values() for b in bufs}
+
+
+def test_graph_safe_path_reuses_fixed_buffers_and_gives_bitwise_gradients():
+    model = build_basic_model(4, 32, 4, 64, kind="torch")
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=2, model_layers=4, device="cpu")
+    warm = torch.randn(2, 8, 32, requires_grad=True)
+    measure_steps(model, warm, ctx, sync, steps=1, warmup=0)  # the warm-up step makes the buffers
+    ctx.freeze_host_buffers()
+    buffers, allocations = free_buffer_ids(ctx.pool), ctx.pool.allocations
+    assert buffers
+    for seed in range(5):  # fresh inputs, like replays
+        x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+        check = compare_grads(measure_steps(model, x, steps=1, warmup=0),
+                              measure_steps(model, x, ctx, sync, steps=1, warmup=0))
+        assert check.equal, check
+        assert ctx.offloaded_bytes > 0
+        assert free_buffer_ids(ctx.pool) == buffers and ctx.pool.allocations == allocations
+
+
+def test_graph_safe_path_refuses_a_step_that_needs_new_buffers_and_recovers():
+    model = build_linear_stack(3, 16)
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=2, model_layers=3, device="cpu")
+    measure_steps(model, torch.randn(4, 16, requires_grad=True), ctx, sync, steps=1, warmup=0)
+    ctx.freeze_host_buffers()
+    bigger = torch.randn(8, 16, requires_grad=True)  # saves tensors of sizes no buffer has
+    with pytest.raises(GraphCaptureError, match=r"layer 0: no free host buffer of \d+ bytes.*frozen"):
+        training_step(model, bigger, ctx, sync)
+    assert ctx.live_views == 0 and ctx.resident_bytes == 0  # the failed forward gave everything back
+    x = torch.randn(4, 16, requires_grad=True)  # the warmed-up shape still works
+    assert compare_grads(measure_steps(model, x, steps=1, warmup=0),
+                         measure_steps(model, x, ctx, sync, steps=1, warmup=0)).equal
+
+
+def test_pool_keeps_buffers_lent_to_a_graph_out_of_circulation():
+    pool = HostBufferPool(pin_memory=False, retain=False)
+    eager = pool.acquire(64)
+    pool.give_back(eager, None)
+    graphed = pool.acquire(64, for_graph=True)  # reuses the free one, which the graph now owns
+    assert graphed is eager and graphed.for_graph
+    pool.give_back(graphed, None)
+    assert pool.free_bytes == 0 and pool.graph_bytes == 64
+    pool.end_iteration()
+    pool.release()
+    assert pool.held_bytes == 64  # never freed while the pool lives: a replay writes into it
+    with pytest.raises(NoFreeBufferError, match="may not allocate"):
+        pool.acquire(64, for_graph=True)
+    assert pool.acquire(64) is not graphed  # an eager user gets a new buffer, never the graph's
+
+
+def test_capture_step_needs_cuda_and_a_warmup():
+    x = torch.randn(2, 4)
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        capture_step(lambda x: x, x, [])
+
+
+def test_scenario_runs_the_graph_safe_path_on_cpu():
+    report = run(GraphsConfig.small(), "cpu", progress=None)
+    assert report["grads_equal"] and report["checks"] == 3 and not report["captured"]
+    assert report["pinned_allocations_after_freeze"] == 0
+    assert "capture needs CUDA" in format_report(report)
+
+
+# ---------------------------------------------------------------------- GPU
+
+
+@pytest.fixture(scope="module")
+def graphs_report():
+    report = run(GraphsConfig(), "cuda", progress=print)
+    print(format_report(report))
+    return report
+
+
+@pytest.mark.gpu
+def test_gpu_replays_are_bitwise_equal_to_eager_without_offloading(graphs_report):
+    r = graphs_report
+    assert r["captured"] and r["checks"] >= 5
+    assert r["grads_equal"], r["max_abs_diff"]
+
+
+@pytest.mark.gpu
+def test_gpu_saving_during_replay_matches_theory(graphs_report):
+    row = graphs_report["rows"]["graphed + offload"]
+    assert graphs_report["graph_theoretical_saving_bytes"] > 256 * 2**20
+    assert row["saving_ratio"] >= 0.95, row
+
+
+@pytest.mark.gpu
+def test_gpu_replay_is_no_slower_than_the_eager_offloaded_step(graphs_report):
+    rows = graphs_report["rows"]
+    assert rows["graphed + offload"]["step_ms"] <= rows["eager + offload"]["step_ms"], rows
+    # and the copies really run inside the replayed graph, mostly under kernels
+    assert graphs_report["d2h_busy_ms"] > 0 and graphs_report["d2h_overlapped_ms"] >= 0.5 * graphs_report["d2h_busy_ms"]
+
+
+def _small_cuda_model(cuda):
+    layers = build_linear_stack(4, 256, device=cuda)
+    return layers, torch.randn(8, 256, device=cuda, requires_grad=True)
+
+
+_SETUP = """
+import torch
+from offload_examples import GraphCaptureError, get_cpu_offload_context
+from offload_examples.graphs import capture_step
+from offload_examples.measure import training_step
+from offload_examples.models import build_linear_stack
+layers = build_linear_stack(4, 256, device="cuda")
+x = torch.randn(8, 256, device="cuda", requires_grad=True)
+ctx, sync = get_cpu_offload_context(enabled=True, num_layers=2, model_layers=4, retain_pinned_cpu_buffers={retain})
+"""
+
+
+def _capture_fails(body: str, retain: bool = True) -> str:
+    """Run a capture that must fail in a fresh process and return its error output.
+
+    A capture that CUDA aborts leaves PyTorch's CUDA random generator marked as capturing for the
+    rest of the process, so these run apart from the other tests.
+    """
+    proc = subprocess.run([sys.executable, "-c", _SETUP.format(retain=retain) + body],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0, proc.stdout
+    return proc.stderr
+
+
+@pytest.mark.gpu
+def test_gpu_capture_without_warmed_buffers_fails_at_capture():
+    err = _capture_fails("""
+with torch.cuda.graph(torch.cuda.CUDAGraph()):
+    training_step(layers, x, ctx, sync)
+""", retain=False)
+    assert "GraphCaptureError: layer 0: no free host buffer" in err
+    assert "cannot contain. Run at least one eager step" in err
+
+
+@pytest.mark.gpu
+def test_gpu_timing_marks_cannot_be_captured():
+    err = _capture_fails("""
+from offload_examples.timeline import StepRecorder
+ctx.recorder = StepRecorder(torch.device("cuda", 0))
+capture_step(lambda x: training_step(layers, x, ctx, sync), x, layers.parameters())
+""")
+    assert "GraphCaptureError: timing marks" in err
+
+
+@pytest.mark.gpu
+def test_gpu_forward_and_backward_in_separate_graphs_is_a_clear_error():
+    err = _capture_fails("""
+class Whole(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, h):
+        for layer in self.layers:
+            with ctx:
+                h = layer(h)
+            h = sync(h)
+        return h
+
+torch.cuda.make_graphed_callables(Whole(), (x,))
+""")
+    assert "GraphCaptureError: layer 1's saved tensors were offloaded in one CUDA graph capture" in err
+    assert "captures forward and backward separately" in err
+
+
+@pytest.mark.gpu
+def test_gpu_eager_steps_after_a_capture_do_not_touch_the_graphs_buffers(cuda):
+    layers, x = _small_cuda_model(cuda)
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=2, model_layers=4, retain_pinned_cpu_buffers=True)
+    with deterministic_kernels():
+        captured = capture_step(lambda x: training_step(layers, x, ctx, sync), x, layers.parameters())
+        graph_buffers = {id(b) for b in ctx.pool._kept_for_graphs}
+        assert graph_buffers and ctx.pool.graph_bytes == ctx.offloaded_bytes
+        captured.replay(x)
+        eager = measure_steps(layers, x, ctx, sync, steps=1, warmup=0)  # allocates its own buffers
+        assert not graph_buffers & free_buffer_ids(ctx.pool)
+        out = captured.replay(x).to("cpu", copy=True)
+    assert torch.equal(out, eager.output)
