@@ -56,7 +56,8 @@ def get_cpu_offload_context(
     offload_activations:
         Offload tensors saved for backward (the only kind supported so far).
     offload_weights:
-        Not supported yet; raises ``NotImplementedError``.
+        Not part of the context; raises ``NotImplementedError``. Stream weights from host memory
+        with :class:`~offload_examples.StreamedLayers` instead.
     manual_synchronization:
         Return a third element, an :class:`~offload_examples.engine.OffloadSynchronizer`, and
         offload, release and reload layers only when its methods are called.
@@ -86,7 +87,10 @@ def get_cpu_offload_context(
     if not enabled:
         return (contextlib.nullcontext(), _identity) + ((None,) if manual_synchronization else ())
     if offload_weights:
-        raise NotImplementedError("offload_weights=True is not supported by this engine yet")
+        raise NotImplementedError(
+            "offload_weights=True is not part of the offload context: stream weights from host memory with "
+            "offload_examples.StreamedLayers(layers, device), which loads each layer just before it runs"
+        )
     if not offload_activations:
         raise ValueError("nothing to offload: offload_activations=False and offload_weights=False")
     if manual_synchronization and synchronization_dict is not None:

@@ -11,8 +11,8 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 __all__ = [
-    "plot_bench_memory_time", "plot_bench_overhead", "plot_memory_by_phase", "plot_memory_curves", "plot_overlap",
-    "plot_schedule", "plot_sweep", "plot_timeline",
+    "plot_bench_memory_time", "plot_bench_overhead", "plot_fraction_tradeoff", "plot_memory_by_phase",
+    "plot_memory_curves", "plot_overlap", "plot_schedule", "plot_sweep", "plot_timeline", "plot_variants",
 ]
 
 GiB = 2**30
@@ -188,6 +188,56 @@ def plot_memory_curves(curves: Mapping[str, object], ax: Axes | None = None, tit
     ax.legend(loc="upper left", fontsize=8)
     if title:
         ax.set_title(title)
+    return ax
+
+
+def plot_variants(rows: Mapping[str, Mapping[str, Any]], title: str = "") -> Figure:
+    """Peak memory and step time of a few ways to run the same step, side by side.
+
+    ``rows`` maps a label to a dict with ``peak_bytes`` (``None`` without CUDA) and ``step_ms``,
+    as the CUDA-graph and weight-streaming scenarios report them.
+    """
+    import matplotlib.pyplot as plt
+
+    fig, (mem, ms) = plt.subplots(1, 2, figsize=(10, 0.5 + 0.45 * len(rows)), layout="constrained")
+    labels = list(rows)[::-1]
+    colors = ["#3182bd" if "offload" in k or "stream" in k else "#969696" for k in labels]
+    peaks = [(rows[k]["peak_bytes"] or 0) / GiB for k in labels]
+    times = [rows[k]["step_ms"] for k in labels]
+    for ax, values, unit in ((mem, peaks, "peak GPU memory (GiB)"), (ms, times, "step time (ms)")):
+        bars = ax.barh(labels, values, color=colors)
+        ax.bar_label(bars, fmt="%.2f" if ax is mem else "%.1f", padding=3, fontsize=8)
+        ax.set_xlabel(unit)
+        ax.margins(x=0.15)
+        ax.grid(axis="x", alpha=0.3)
+    ms.set_yticks([])
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+def plot_fraction_tradeoff(report: Mapping[str, Any], ax: Axes | None = None) -> Axes:
+    """GPU memory and step time as the offloaded fraction of optimizer state goes from 0 to 1.
+
+    Takes the report of :mod:`offload_examples.scenarios.optimizer_offload`; the plain optimizer
+    is drawn as dashed lines.
+    """
+    ax = _axes(ax, (7, 3.6))
+    rows = sorted(report["rows"], key=lambda r: r["fraction"])
+    xs = [r["offloaded_fraction"] for r in rows]
+    if report["plain"]["gpu_bytes"] is not None:
+        ax.plot(xs, [r["gpu_bytes"] / GiB for r in rows], "o-", color="#3182bd", label="GPU memory")
+        ax.axhline(report["plain"]["gpu_bytes"] / GiB, color="#3182bd", ls="--", lw=0.8, label="plain optimizer")
+    ax.set_xlabel("fraction of parameter bytes whose optimizer state is on the host")
+    ax.set_ylabel("GiB allocated after the step", color="#3182bd")
+    twin = ax.twinx()
+    twin.plot(xs, [r["step_ms"] for r in rows], "s-", color="#e6550d", label="step time")
+    twin.axhline(report["plain"]["step_ms"], color="#e6550d", ls="--", lw=0.8)
+    twin.set_ylabel("ms per step", color="#e6550d")
+    twin.set_ylim(bottom=0)
+    lines = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+    ax.legend(lines, [h.get_label() for h in lines], loc="lower left", fontsize=8)
+    ax.grid(alpha=0.3)
     return ax
 
 

@@ -38,7 +38,8 @@ import torch
 from offload_examples import get_cpu_offload_context
 from offload_examples.graphs import CapturedStep, capture_step
 from offload_examples.measure import (
-    GradCheck, Measurement, compare_grads, deterministic_kernels, measure_steps, snapshot, training_step,
+    GradCheck, Measurement, compare_grads, deterministic_kernels, measure_steps, resident_vs_theory, snapshot,
+    training_step,
 )
 from offload_examples.models import build_basic_model
 from offload_examples.report import format_bytes, format_table
@@ -143,6 +144,9 @@ def run(
             _graphed(report, config, model, inputs, refs, ctx, sync, say)
         else:
             _graph_safe_eager(report, model, inputs, refs, ctx, sync, say)
+    # the engine's count of offloaded bytes on the device, phase by phase, against the schedule's,
+    # for the last step it ran: the captured one (replays repeat it) or the last graph-safe step
+    report["resident_matches_theory"] = all(got == want for _, _, got, want in resident_vs_theory(ctx))
     return report
 
 
