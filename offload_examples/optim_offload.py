@@ -63,9 +63,16 @@ The host master, not the device tensor, is what an offloaded parameter is update
 made to the parameter in place (``with torch.no_grad(): p.copy_(w)``, ``load_state_dict``) bumps
 its version counter and is picked up at the next step (a blocking copy). Writing through
 ``p.data`` or replacing ``p.data`` is invisible to the wrapper and is lost at the next step.
-Hyperparameters are fixed at construction; change them in the ``param_groups`` of
-:attr:`~OptimizerOffload.gpu_optimizer` and of every optimizer in
-:attr:`~OptimizerOffload.host_optimizers` alike.
+To change a hyperparameter (a learning-rate schedule), set it in every group of
+:attr:`~OptimizerOffload.param_groups`: the device optimizer's group and each host optimizer's.
+``torch.optim.lr_scheduler`` classes want a ``torch.optim.Optimizer`` and do not accept the wrapper.
+
+Checkpoints
+-----------
+:meth:`~OptimizerOffload.state_dict` writes the plain optimizer's format: one param group over the
+parameters numbered in the order given to the constructor, as ``optimizer_class(params)`` would
+save it. A checkpoint therefore loads into the plain optimizer, or into a wrapper with another
+fraction, and the plain optimizer's checkpoint loads into the wrapper.
 """
 
 from __future__ import annotations
@@ -185,8 +192,19 @@ class OptimizerOffload:
         self.offloaded_fraction = sum(n for n, o in zip(sizes, offload) if o) / total if total else 0.0
         kept = [p for p, o in zip(all_params, offload) if not o]
         self.host_params: list[torch.nn.Parameter] = [p for p, o in zip(all_params, offload) if o]
+        # Where parameter i of the caller's list lives: (on the host?, index in its own list).
+        self._where: list[tuple[bool, int]] = []
+        counts = [0, 0]  # kept, offloaded so far
+        for o in offload:
+            self._where.append((o, counts[o]))
+            counts[o] += 1
 
         self.gpu_optimizer = optimizer_class(kept, **optimizer_kwargs) if kept else None
+        # The implementation flags a plain optimizer_class(params, **optimizer_kwargs) records in
+        # its group; checkpoints carry these, not the host optimizers' own (see state_dict).
+        plain = self.gpu_optimizer or optimizer_class([torch.zeros(0, device=self.device, requires_grad=True)],
+                                                      **optimizer_kwargs)
+        self._plain_flags = _flags(plain.param_groups[0])
         host_kwargs = dict(optimizer_kwargs)
         if self.device.type != "cpu":
             host_kwargs.pop("capturable", None)
@@ -204,6 +222,13 @@ class OptimizerOffload:
     def host_optimizers(self) -> list[torch.optim.Optimizer]:
         """The per-parameter host optimizers, in the order of :attr:`host_params`."""
         return [slot.optimizer for slot in self._slots]
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """Every group of every optimizer inside: the device optimizer's first, then one per
+        host parameter. Set a hyperparameter in all of them to change it."""
+        optimizers = ([self.gpu_optimizer] if self.gpu_optimizer is not None else []) + self.host_optimizers
+        return [group for optimizer in optimizers for group in optimizer.param_groups]
 
     # ------------------------------------------------------------------ setup
     def _make_slot(self, index: int, p: torch.nn.Parameter, kwargs: dict[str, Any]) -> _HostSlot:
@@ -423,16 +448,69 @@ class OptimizerOffload:
         self.close()
 
     def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError(
-            "OptimizerOffload.state_dict() is not implemented: save gpu_optimizer.state_dict() and "
-            "each of host_optimizers' state_dict() yourself"
-        )
+        """The state as the plain ``optimizer_class(params)`` would save it.
+
+        One param group over the parameters numbered ``0..n-1`` in the order given to the
+        constructor; its hyperparameters are the device optimizer's (or the first host
+        optimizer's), its implementation flags (``fused``, ``foreach``, ``capturable``) the plain
+        optimizer's. As with torch's optimizers, the tensors are the live state, not copies, and
+        host states are CPU tensors.
+        """
+        self._check_open()
+        gpu = self.gpu_optimizer.state_dict() if self.gpu_optimizer is not None else None
+        hosts = [optimizer.state_dict() for optimizer in self.host_optimizers]
+        state = {}
+        for i, (on_host, j) in enumerate(self._where):
+            own = hosts[j]["state"].get(0) if on_host else gpu["state"].get(j)
+            if own is not None:  # no entry before the parameter's first step, as in torch
+                state[i] = own
+        group = {k: v for k, v in (gpu or hosts[0])["param_groups"][0].items() if k != "params"}
+        group.update(self._plain_flags)
+        group["params"] = list(range(len(self._where)))
+        return {"state": state, "param_groups": [group]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        raise NotImplementedError(
-            "OptimizerOffload.load_state_dict() is not implemented: load gpu_optimizer and each of "
-            "host_optimizers yourself"
-        )
+        """Load a checkpoint written by :meth:`state_dict`, at any fraction, or by the plain optimizer.
+
+        The checkpoint's hyperparameters replace the current ones; each optimizer inside keeps its
+        own implementation flags. Raises ``ValueError`` for a checkpoint of another shape (several
+        param groups, another number of parameters).
+        """
+        self._check_open()
+        group, state = self._check_checkpoint(state_dict)
+        hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        if self.gpu_optimizer is not None:
+            kept = [i for i, (on_host, _) in enumerate(self._where) if not on_host]
+            self.gpu_optimizer.load_state_dict({
+                "state": {j: state[i] for j, i in enumerate(kept) if i in state},
+                "param_groups": [{**hyper, **self._plain_flags, "params": list(range(len(kept)))}],
+            })
+        for i, (on_host, j) in enumerate(self._where):
+            if on_host:
+                optimizer = self._slots[j].optimizer
+                optimizer.load_state_dict({
+                    "state": {0: state[i]} if i in state else {},
+                    "param_groups": [{**hyper, **_flags(optimizer.param_groups[0]), "params": [0]}],
+                })
+
+    def _check_checkpoint(self, state_dict: Any) -> tuple[dict[str, Any], dict[int, Any]]:
+        """The single group and the state of a checkpoint, or a ValueError that says what differs."""
+        n = len(self._where)
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if not isinstance(groups, list) or len(groups) != 1 or "state" not in state_dict:
+            shape = f"{len(groups)} param groups" if isinstance(groups, list) else f"{type(state_dict).__name__}"
+            raise ValueError(
+                f"expected an optimizer state_dict with one param group over {n} parameters (what "
+                f"state_dict() and a plain {self.optimizer_class.__name__}(params) save), got {shape}"
+            )
+        params = list(groups[0].get("params", []))
+        if sorted(params) != list(range(n)) or not set(state_dict["state"]) <= set(params):
+            raise ValueError(
+                f"the checkpoint's param group holds {len(params)} parameters and state for "
+                f"{len(state_dict['state'])}; this optimizer has {n} parameters, numbered 0..{n - 1} "
+                "in the order given to the constructor"
+            )
+        return groups[0], state_dict["state"]
 
     def _check_open(self) -> None:
         if self._closed:
@@ -471,6 +549,14 @@ def _has_fused_cpu(cls: type[torch.optim.Optimizer]) -> bool:
     except (TypeError, RuntimeError, ValueError):
         return False
     return True
+
+
+_FLAGS = ("foreach", "fused", "capturable", "differentiable")
+
+
+def _flags(group: dict[str, Any]) -> dict[str, Any]:
+    """The keys of a param group that choose an implementation rather than the arithmetic."""
+    return {k: group[k] for k in _FLAGS if k in group}
 
 
 def _check_fraction(fraction: Any) -> float:

@@ -206,3 +206,20 @@ def test_gpu_eager_steps_after_a_capture_do_not_touch_the_graphs_buffers(cuda):
         assert not graph_buffers & free_buffer_ids(ctx.pool)
         out = captured.replay(x).to("cpu", copy=True)
     assert torch.equal(out, eager.output)
+
+
+@pytest.mark.gpu
+def test_gpu_per_module_graphs_inside_the_context_offload_nothing(cuda):
+    """What the CUDA-graph page says of make_graphed_callables per layer, used inside the context:
+    no error, the right gradients, and nothing offloaded (the graphs keep their own activations)."""
+    layers, x = _small_cuda_model(cuda)
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=2, model_layers=4)
+    with deterministic_kernels():
+        plain = measure_steps(layers, x, steps=1, warmup=0)
+        sample = torch.randn_like(x).requires_grad_()
+        graphed = [torch.cuda.make_graphed_callables(layer, (sample,)) for layer in layers]
+        offloaded = measure_steps(torch.nn.ModuleList(graphed), x, ctx, sync, steps=1, warmup=0)
+    assert ctx.offloaded_bytes == 0 and sum(s.candidate_bytes for s in ctx.stats) == 0
+    torch.testing.assert_close(offloaded.output, plain.output)
+    for name, grad in plain.grads.items():
+        torch.testing.assert_close(offloaded.grads[name], grad, msg=name)

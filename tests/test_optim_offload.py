@@ -309,12 +309,88 @@ def test_wrapper_is_not_kept_alive_by_its_hooks() -> None:
     torch.nn.functional.mse_loss(model(torch.randn(2, 8)), torch.zeros(2, 4)).backward()  # dead hooks: no-ops
 
 
-def test_state_dict_is_not_implemented() -> None:
-    opt = OptimizerOffload(make_model().parameters(), torch.optim.Adam, fraction=0.5)
-    with pytest.raises(NotImplementedError, match="state_dict"):
-        opt.state_dict()
-    with pytest.raises(NotImplementedError, match="load_state_dict"):
-        opt.load_state_dict({})
+def assert_same_state(a: dict, b: dict) -> None:
+    """Two optimizer state_dicts hold the same groups and bitwise equal states."""
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for i, state in a["state"].items():
+        assert state.keys() == b["state"][i].keys(), i
+        for key, value in state.items():
+            assert torch.equal(value, b["state"][i][key]), (i, key)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.4, 1.0])
+@pytest.mark.parametrize("name", ["sgd_momentum", "adam"])
+def test_state_dict_is_the_plain_optimizers(name: str, fraction: float) -> None:
+    cls, kwargs = OPTIMIZERS[name]
+    ref_model, model = make_model(), make_model()
+    ref = cls(ref_model.parameters(), **kwargs)
+    opt = OptimizerOffload(model.parameters(), cls, fraction=fraction, **kwargs)
+    assert_same_state(opt.state_dict(), ref.state_dict())  # before the first step: no state yet
+    train(ref_model, ref, steps=3)
+    train(model, opt, steps=3)
+    assert_same_state(opt.state_dict(), ref.state_dict())
+
+
+def test_checkpoints_move_between_fractions_and_the_plain_optimizer() -> None:
+    """Save at one fraction, load at another and into the plain optimizer (through torch.save):
+    training goes on bitwise equal, and the plain optimizer's checkpoint loads back."""
+    import io
+
+    def saved(optimizer) -> dict:
+        buf = io.BytesIO()
+        torch.save(optimizer.state_dict(), buf)
+        buf.seek(0)
+        return torch.load(buf)
+
+    model = make_model()
+    opt = OptimizerOffload(model.parameters(), torch.optim.Adam, fraction=0.25, lr=1e-2)
+    train(model, opt, steps=3)
+
+    ref_model, resumed_model = copy.deepcopy(model), copy.deepcopy(model)
+    ref = torch.optim.Adam(ref_model.parameters(), lr=1.0)  # the checkpoint's lr replaces these
+    resumed = OptimizerOffload(resumed_model.parameters(), torch.optim.Adam, fraction=0.75, lr=1.0)
+    ref.load_state_dict(saved(opt))  # one file each: like torch's, loaded states are not copied
+    resumed.load_state_dict(saved(opt))
+    assert all(group["lr"] == 1e-2 for group in resumed.param_groups)
+    train(ref_model, ref, steps=2)
+    train(resumed_model, resumed, steps=2)
+    assert_params_equal(resumed_model, ref_model)
+
+    back = OptimizerOffload(copy.deepcopy(ref_model).parameters(), torch.optim.Adam, fraction=0.5)
+    back.load_state_dict(saved(ref))
+    assert_same_state(back.state_dict(), ref.state_dict())
+
+
+def test_learning_rate_changed_through_param_groups() -> None:
+    ref_model, model = make_model(), make_model()
+    ref = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
+    opt = OptimizerOffload(model.parameters(), torch.optim.Adam, fraction=0.5, lr=1e-2)
+    assert len(opt.param_groups) == 1 + len(opt.host_params)
+    for optimizer, m in ((ref, ref_model), (opt, model)):
+        train(m, optimizer, steps=2)
+        for group in optimizer.param_groups:
+            group["lr"] = 3e-3  # what a schedule does between steps
+        train(m, optimizer, steps=2)
+    assert_params_equal(model, ref_model)
+
+
+def test_load_state_dict_of_another_shape_is_refused() -> None:
+    model = make_model()
+    opt = OptimizerOffload(model.parameters(), torch.optim.Adam, fraction=0.5)
+    train(model, opt, steps=1)
+    good = opt.state_dict()
+    fewer = torch.optim.Adam(list(model.parameters())[:-1]).state_dict()
+    with pytest.raises(ValueError, match=r"holds 5 parameters and state for 0; this optimizer has 6 parameters"):
+        opt.load_state_dict(fewer)
+    two_groups = {"state": {}, "param_groups": [dict(good["param_groups"][0], params=[0, 1, 2]),
+                                                dict(good["param_groups"][0], params=[3, 4, 5])]}
+    with pytest.raises(ValueError, match="one param group over 6 parameters.*got 2 param groups"):
+        opt.load_state_dict(two_groups)
+    with pytest.raises(ValueError, match="got list"):
+        opt.load_state_dict([])
+    after = opt.state_dict()
+    assert_same_state(after, good)  # nothing was half-loaded
 
 
 # ---------------------------------------------------------------------- errors
@@ -428,3 +504,26 @@ def test_gpu_parameters_follow_the_plain_optimizer(optimizer_report):
             continue
         assert first["max_abs"] <= 1e-6, first
         assert last["max_rel_l2"] <= 1e-2, last
+
+
+@pytest.mark.gpu
+def test_gpu_checkpoint_loads_into_the_plain_optimizer(cuda):
+    """On a GPU the host optimizers run fused CPU kernels; the checkpoint still carries the plain
+    optimizer's flags and loads into it, host states moving to the device."""
+    model = make_model().to(cuda)
+    opt = OptimizerOffload(model.parameters(), torch.optim.Adam, fraction=0.5, lr=1e-2)
+    assert opt.host_optimizers[0].param_groups[0]["fused"] is True
+    for x, y in batches(3):
+        torch.nn.functional.mse_loss(model(x.to(cuda)), y.to(cuda)).backward()
+        opt.step()
+        opt.zero_grad()
+    checkpoint = opt.state_dict()
+    assert checkpoint["param_groups"][0]["fused"] is None
+    ref_model = copy.deepcopy(model)
+    ref = torch.optim.Adam(ref_model.parameters(), lr=1.0)
+    ref.load_state_dict(copy.deepcopy(checkpoint))
+    assert ref.param_groups[0]["lr"] == 1e-2 and ref.param_groups[0]["fused"] is None
+    for i, p in enumerate(ref_model.parameters()):
+        for key, value in checkpoint["state"][i].items():
+            assert torch.equal(ref.state[p][key].cpu(), value.cpu()), (i, key)
+        assert ref.state[p]["exp_avg"].device == p.device
