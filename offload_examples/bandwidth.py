@@ -6,6 +6,7 @@ Every function needs CUDA and times work with CUDA events (device time) or ``per
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -41,7 +42,7 @@ def _time_on_stream(fn, repeats: int) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return statistics.median(times)
 
 
 def copy_bandwidth(nbytes: int, direction: str, pinned: bool, repeats: int = 5) -> CopyTiming:

@@ -18,7 +18,7 @@ from torch import nn
 
 __all__ = [
     "GradCheck", "Measurement", "compare_grads", "deterministic_kernels", "measure_paired", "measure_steps",
-    "memory_by_phase", "paired_overhead", "resident_vs_theory", "snapshot",
+    "memory_by_phase", "paired_overhead", "resident_vs_theory", "snapshot", "StepReport",
     "training_step",
 ]
 
@@ -99,6 +99,33 @@ def _timed(fn: Callable[[], torch.Tensor], cuda: bool) -> tuple[float, torch.Ten
     return begin.elapsed_time(end), out
 
 
+class StepReport:
+    """Progress of a measurement: a line when the warm-up ends, one with the median at the end,
+    and one whenever ``every_s`` seconds have passed without a line (slow steps stay visible).
+
+    Call :meth:`step` after each step with its index, its time and the measured times so far.
+    """
+
+    def __init__(self, progress: Progress | None, label: str, warmup: int, steps: int, every_s: float = 5.0):
+        self.progress, self.label, self.warmup, self.total = progress, label, warmup, warmup + steps
+        self.every_s = every_s
+        self.last = time.perf_counter()
+
+    def step(self, i: int, ms: float, times: list[float]) -> None:
+        if self.progress is None:
+            return
+        if i == self.total - 1:
+            line = f"{len(times)} step{'s' * (len(times) != 1)}, median {statistics.median(times):.1f} ms (min {min(times):.1f}, max {max(times):.1f})"
+        elif i == self.warmup - 1:
+            line = f"warm-up: {self.warmup} step{'s' * (self.warmup != 1)}, the last {ms:.1f} ms"
+        elif time.perf_counter() - self.last >= self.every_s:
+            line = f"step {i + 1}/{self.total}: {ms:.1f} ms"
+        else:
+            return
+        self.progress(f"  [{self.label}] {line}")
+        self.last = time.perf_counter()
+
+
 def snapshot(model: nn.Module, x: torch.Tensor, out: torch.Tensor, label: str = "") -> Measurement:
     """Copy the output and every gradient (parameters and ``x``) to host memory, leaving them in place.
 
@@ -139,6 +166,7 @@ def measure_steps(
     run = step if step is not None else (lambda: training_step(model, x, ctx, sync))
     times: list[float] = []
     peak = baseline = None
+    report = StepReport(progress, label, warmup, steps)
     for i in range(warmup + steps):
         _zero_grads(model, x)
         measured = i >= warmup
@@ -149,9 +177,7 @@ def measure_steps(
         ms, out = _timed(run, cuda)
         if measured:
             times.append(ms)
-        if progress is not None:
-            kind = "step" if measured else "warm-up"
-            progress(f"  [{label}] {kind} {i + 1}/{warmup + steps}: {ms:.1f} ms")
+        report.step(i, ms, times)
     if cuda:
         peak = torch.cuda.max_memory_allocated()
     return _finish(label, model, x, times, peak, baseline, out)

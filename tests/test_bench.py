@@ -151,6 +151,21 @@ def test_progress_bar_off_a_terminal():
     assert lines[-1].startswith("[######") and "done" in lines[-1]
 
 
+def test_measurement_progress_is_short_unless_steps_are_slow():
+    from offload_examples.measure import StepReport, measure_steps
+
+    lines: list[str] = []
+    layers, x = build_linear_stack(2, 8), torch.randn(2, 8, requires_grad=True)
+    measure_steps(layers, x, steps=6, warmup=2, label="m", progress=lines.append)
+    assert [line.split("]")[1].split(":")[0].split(",")[0] for line in lines] == [" warm-up", " 6 steps"]
+    lines.clear()
+    report = StepReport(lines.append, "slow", warmup=1, steps=3, every_s=0.0)  # every step "slow"
+    for i, ms in enumerate([5.0, 4.0, 3.0, 2.0]):
+        report.step(i, ms, [4.0, 3.0, 2.0][:max(0, i)])
+    assert lines == ["  [slow] warm-up: 1 step, the last 5.0 ms", "  [slow] step 2/4: 4.0 ms",
+                     "  [slow] step 3/4: 3.0 ms", "  [slow] 3 steps, median 3.0 ms (min 2.0, max 4.0)"]
+
+
 @pytest.mark.gpu
 def test_bench_short_gpu_run(tmp_path):
     """Every installed strategy completes on the GPU; the engine saves what its schedule predicts."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -101,10 +102,6 @@ def _time_replays(captured: CapturedStep, inputs: list[torch.Tensor], replays: i
     return times
 
 
-def _median(xs: Sequence[float]) -> float:
-    return sorted(xs)[len(xs) // 2]
-
-
 def run(
     config: GraphsConfig | None = None,
     device: torch.device | str | None = None,
@@ -166,7 +163,7 @@ def _row(peak: int | None, times: list[float], reference_peak: int | None = None
     saving = None if peak is None or reference_peak is None else reference_peak - peak
     return {
         "peak_bytes": peak,
-        "step_ms": _median(times),
+        "step_ms": statistics.median(times),
         "saving_bytes": saving,
         "saving_ratio": None if saving is None or not theory else saving / theory,
     }
@@ -196,7 +193,7 @@ def _graphed(report, config, model, inputs, refs, ctx, sync, say) -> None:
     theory = ctx.theoretical().saving  # what the engine did during the capture: every replay repeats it
     times = _time_replays(graphed, inputs, config.replays)
     rows["graphed + offload"] = _row(graphed.peak_bytes, times, rows["graphed"]["peak_bytes"], theory)
-    say(f"  replayed {config.replays} times: {_median(times):.1f} ms per step; checking {config.checks} replays")
+    say(f"  replayed {config.replays} times: {statistics.median(times):.1f} ms per step; checking {config.checks} replays")
     check = _check_all(refs, inputs, lambda x: snapshot(model, graphed.static_input, graphed.replay(x)))
     spans = record_timeline(lambda: graphed.replay(inputs[0]))
     busy, both = overlap_ms(spans, "device-to-host")

@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import os
 import platform
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from offload_examples.measure import training_step
+from offload_examples.measure import StepReport, training_step
 from offload_examples.models import build_linear_stack
 from offload_examples.optim_offload import OptimizerOffload
 from offload_examples.report import format_bytes, format_table, write_json
@@ -65,7 +66,7 @@ class OptimizerConfig:
 
 
 def _train(config: OptimizerConfig, device: torch.device, fraction: float | None,
-           say: Callable[[str], None]) -> dict[str, Any]:
+           progress: Callable[[str], None] | None) -> dict[str, Any]:
     """Train ``warmup + steps`` steps; memory, time, and the parameters after the first and last step."""
     model = build_linear_stack(config.layers, config.width, device=device, seed=config.seed)
     gen = torch.Generator(device="cpu").manual_seed(config.seed + 1)
@@ -76,6 +77,8 @@ def _train(config: OptimizerConfig, device: torch.device, fraction: float | None
         opt = OptimizerOffload(model.parameters(), torch.optim.Adam, fraction, lr=config.lr)
     cuda = device.type == "cuda"
     times, first = [], None
+    label = "plain Adam" if fraction is None else f"fraction {fraction:g}"
+    steps = StepReport(progress, label, config.warmup, config.steps)
     for i in range(config.warmup + config.steps):
         if cuda:
             torch.cuda.synchronize()
@@ -85,16 +88,16 @@ def _train(config: OptimizerConfig, device: torch.device, fraction: float | None
         opt.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()
+        ms = (time.perf_counter() - start) * 1e3
         if i >= config.warmup:
-            times.append((time.perf_counter() - start) * 1e3)
+            times.append(ms)
+        steps.step(i, ms, times)
         if i == 0:
             first = [p.detach().to("cpu", copy=True) for p in model.parameters()]
-    label = "plain Adam" if fraction is None else f"fraction {fraction:g}"
-    say(f"  [{label}] {config.warmup + config.steps} steps, median {sorted(times)[len(times) // 2]:.1f} ms")
     out = {
         "label": label,
         "fraction": fraction,
-        "step_ms": sorted(times)[len(times) // 2],
+        "step_ms": statistics.median(times),
         "gpu_bytes": torch.cuda.memory_allocated(device) if cuda else None,
         "first": first,
         "last": [p.detach().to("cpu", copy=True) for p in model.parameters()],
@@ -129,8 +132,8 @@ def run(
     say(f"optimizer-offload scenario on {device}: {config.layers} layers of width {config.width}, Adam")
     torch.use_deterministic_algorithms(True, warn_only=True)  # the same gradients in every run
     try:
-        plain = _train(config, device, None, say)
-        runs = [_train(config, device, f, say) for f in config.fractions]
+        plain = _train(config, device, None, progress)
+        runs = [_train(config, device, f, progress) for f in config.fractions]
     finally:
         torch.use_deterministic_algorithms(False)
     rows = []

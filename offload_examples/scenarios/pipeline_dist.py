@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import socket
+import statistics
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -192,7 +193,7 @@ def _run_rank(rank: int, world: int, cfg: DistConfig, device: torch.device) -> d
             mine.zero_grad(set_to_none=True)
             _pipeline_step(schedule, rank, world, cfg, device, x, dtype)
         grads[name] = {n: p.grad.to("cpu", copy=True) for n, p in mine.named_parameters() if p.grad is not None}
-        out[name] = {"memory_trace": trace, "activation_peak_bytes": peak, "step_ms": sorted(times)[len(times) // 2] if times else None}
+        out[name] = {"memory_trace": trace, "activation_peak_bytes": peak, "step_ms": statistics.median(times) if times else None}
     out.update(
         offloaded_bytes=sum(st.offloaded_bytes for st in stats),
         offloaded_bytes_per_entry=[st.offloaded_bytes for st in stats],
