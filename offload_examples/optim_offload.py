@@ -63,16 +63,16 @@ The host master, not the device tensor, is what an offloaded parameter is update
 made to the parameter in place (``with torch.no_grad(): p.copy_(w)``, ``load_state_dict``) bumps
 its version counter and is picked up at the next step (a blocking copy). Writing through
 ``p.data`` or replacing ``p.data`` is invisible to the wrapper and is lost at the next step.
-To change a hyperparameter (a learning-rate schedule), set it in every group of
-:attr:`~OptimizerOffload.param_groups`: the device optimizer's group and each host optimizer's.
-``torch.optim.lr_scheduler`` classes want a ``torch.optim.Optimizer`` and do not accept the wrapper.
 
-Checkpoints
------------
-:meth:`~OptimizerOffload.state_dict` writes the plain optimizer's format: one param group over the
-parameters numbered in the order given to the constructor, as ``optimizer_class(params)`` would
-save it. A checkpoint therefore loads into the plain optimizer, or into a wrapper with another
-fraction, and the plain optimizer's checkpoint loads into the wrapper.
+The plain optimizer's face
+--------------------------
+The wrapper is a ``torch.optim.Optimizer`` whose one param group holds every parameter with the
+hyperparameters and flags the plain ``optimizer_class(params, **kwargs)`` would have. A
+learning-rate scheduler changes that group; :meth:`~OptimizerOffload.step` copies its
+hyperparameters into the optimizers inside (each keeps its own ``fused``/``foreach``/``capturable``). ``state[p]`` is
+``p``'s state in whichever optimizer holds it. :meth:`~OptimizerOffload.state_dict` writes the plain
+optimizer's format, parameters numbered in the order given, so a checkpoint loads into the plain
+optimizer or into a wrapper with another fraction, and the plain optimizer's loads into the wrapper.
 """
 
 from __future__ import annotations
@@ -84,7 +84,8 @@ import threading
 import weakref
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Iterable, Iterator
+from collections.abc import Mapping
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -129,8 +130,13 @@ class _HostSlot:
     version: int = 0
 
 
-class OptimizerOffload:
+class OptimizerOffload(torch.optim.Optimizer):
     """Keep the optimizer state of a fraction of the parameters in host memory.
+
+    A ``torch.optim.Optimizer`` with one param group over all the parameters, as the plain
+    ``optimizer_class(params, **optimizer_kwargs)`` would have: learning-rate schedulers, step
+    hooks and checkpoints work as with the plain optimizer. Its hyperparameters are the truth:
+    :meth:`step` copies them into the optimizers inside before updating.
 
     Parameters
     ----------
@@ -193,6 +199,7 @@ class OptimizerOffload:
         kept = [p for p, o in zip(all_params, offload) if not o]
         self.host_params: list[torch.nn.Parameter] = [p for p, o in zip(all_params, offload) if o]
         # Where parameter i of the caller's list lives: (on the host?, index in its own list).
+        self._index_of = {id(p): i for i, p in enumerate(all_params)}
         self._where: list[tuple[bool, int]] = []
         counts = [0, 0]  # kept, offloaded so far
         for o in offload:
@@ -200,11 +207,12 @@ class OptimizerOffload:
             counts[o] += 1
 
         self.gpu_optimizer = optimizer_class(kept, **optimizer_kwargs) if kept else None
-        # The implementation flags a plain optimizer_class(params, **optimizer_kwargs) records in
-        # its group; checkpoints carry these, not the host optimizers' own (see state_dict).
+        # The wrapper's own group is what the plain optimizer_class(params, **optimizer_kwargs)
+        # would hold, implementation flags included; checkpoints and schedulers see only it.
         plain = self.gpu_optimizer or optimizer_class([torch.zeros(0, device=self.device, requires_grad=True)],
                                                       **optimizer_kwargs)
-        self._plain_flags = _flags(plain.param_groups[0])
+        super().__init__(all_params, {k: v for k, v in plain.param_groups[0].items() if k != "params"})
+        self.state = _StateView(self)  # the inner optimizers' states, keyed by the caller's parameters
         host_kwargs = dict(optimizer_kwargs)
         if self.device.type != "cpu":
             host_kwargs.pop("capturable", None)
@@ -223,12 +231,25 @@ class OptimizerOffload:
         """The per-parameter host optimizers, in the order of :attr:`host_params`."""
         return [slot.optimizer for slot in self._slots]
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """Every group of every optimizer inside: the device optimizer's first, then one per
-        host parameter. Set a hyperparameter in all of them to change it."""
-        optimizers = ([self.gpu_optimizer] if self.gpu_optimizer is not None else []) + self.host_optimizers
-        return [group for optimizer in optimizers for group in optimizer.param_groups]
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Called once by the constructor; the wrapper holds exactly one group."""
+        if self.param_groups:
+            raise NotImplementedError(
+                "OptimizerOffload holds one param group over the parameters given to it; build one wrapper "
+                "over all parameters (param-group dicts are not supported)"
+            )
+        super().add_param_group(param_group)
+
+    def _inner_optimizers(self) -> list[torch.optim.Optimizer]:
+        return ([self.gpu_optimizer] if self.gpu_optimizer is not None else []) + self.host_optimizers
+
+    def _sync_hyperparameters(self) -> None:
+        """Copy the wrapper's hyperparameters (set by a scheduler, say) into every inner group,
+        leaving each inner optimizer its own implementation flags."""
+        hyper = {k: v for k, v in self.param_groups[0].items() if k != "params" and k not in _FLAGS}
+        for optimizer in self._inner_optimizers():
+            for group in optimizer.param_groups:
+                group.update(hyper)
 
     # ------------------------------------------------------------------ setup
     def _make_slot(self, index: int, p: torch.nn.Parameter, kwargs: dict[str, Any]) -> _HostSlot:
@@ -253,9 +274,18 @@ class OptimizerOffload:
         )
 
     # ------------------------------------------------------------------ the training step
-    def step(self) -> None:
-        """Update every parameter that has a gradient (see the module docstring, steps 4 to 6)."""
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Update every parameter that has a gradient (see the module docstring, steps 4 to 6).
+
+        ``closure``, as for torch's optimizers, re-evaluates the model and returns the loss; it
+        runs first and its loss is returned.
+        """
         self._check_open()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._sync_hyperparameters()
         s = self.streams
         compute = s.current()
         # Everything queued so far: the backward and whatever the caller did to the gradients.
@@ -276,6 +306,7 @@ class OptimizerOffload:
         s.wait(compute, last)
         with self._lock:
             self._arrived.clear()
+        return loss
 
     def _update_order(self) -> list[_HostSlot]:
         """Slots with a gradient: first as their copies were queued (and will finish), then the rest."""
@@ -450,47 +481,39 @@ class OptimizerOffload:
     def state_dict(self) -> dict[str, Any]:
         """The state as the plain ``optimizer_class(params)`` would save it.
 
-        One param group over the parameters numbered ``0..n-1`` in the order given to the
-        constructor; its hyperparameters are the device optimizer's (or the first host
-        optimizer's), its implementation flags (``fused``, ``foreach``, ``capturable``) the plain
-        optimizer's. As with torch's optimizers, the tensors are the live state, not copies, and
-        host states are CPU tensors.
+        One param group (the wrapper's) over the parameters numbered ``0..n-1`` in the order
+        given to the constructor, and each parameter's state from the optimizer that holds it.
+        As with torch's optimizers, the tensors are the live state, not copies; host states are
+        CPU tensors.
         """
         self._check_open()
-        gpu = self.gpu_optimizer.state_dict() if self.gpu_optimizer is not None else None
-        hosts = [optimizer.state_dict() for optimizer in self.host_optimizers]
-        state = {}
-        for i, (on_host, j) in enumerate(self._where):
-            own = hosts[j]["state"].get(0) if on_host else gpu["state"].get(j)
-            if own is not None:  # no entry before the parameter's first step, as in torch
-                state[i] = own
-        group = {k: v for k, v in (gpu or hosts[0])["param_groups"][0].items() if k != "params"}
-        group.update(self._plain_flags)
-        group["params"] = list(range(len(self._where)))
-        return {"state": state, "param_groups": [group]}
+        state = {i: dict(self.state[p]) for i, p in enumerate(self.param_groups[0]["params"]) if p in self.state}
+        group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
+        return {"state": state, "param_groups": [{**group, "params": list(range(len(self._where)))}]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a checkpoint written by :meth:`state_dict`, at any fraction, or by the plain optimizer.
 
-        The checkpoint's hyperparameters replace the current ones; each optimizer inside keeps its
-        own implementation flags. Raises ``ValueError`` for a checkpoint of another shape (several
-        param groups, another number of parameters).
+        The checkpoint's hyperparameters replace the wrapper's; every optimizer keeps its own
+        implementation flags. Raises ``ValueError`` for a checkpoint of another shape (several
+        param groups, another number of parameters) before loading anything.
         """
         self._check_open()
         group, state = self._check_checkpoint(state_dict)
-        hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        hyper = {k: v for k, v in group.items() if k not in ("params", "param_names") and k not in _FLAGS}
+        self.param_groups[0].update(hyper)
         if self.gpu_optimizer is not None:
             kept = [i for i, (on_host, _) in enumerate(self._where) if not on_host]
             self.gpu_optimizer.load_state_dict({
                 "state": {j: state[i] for j, i in enumerate(kept) if i in state},
-                "param_groups": [{**hyper, **self._plain_flags, "params": list(range(len(kept)))}],
+                "param_groups": [{**self.gpu_optimizer.param_groups[0], **hyper, "params": list(range(len(kept)))}],
             })
         for i, (on_host, j) in enumerate(self._where):
             if on_host:
                 optimizer = self._slots[j].optimizer
                 optimizer.load_state_dict({
                     "state": {0: state[i]} if i in state else {},
-                    "param_groups": [{**hyper, **_flags(optimizer.param_groups[0]), "params": [0]}],
+                    "param_groups": [{**optimizer.param_groups[0], **hyper, "params": [0]}],
                 })
 
     def _check_checkpoint(self, state_dict: Any) -> tuple[dict[str, Any], dict[int, Any]]:
@@ -515,6 +538,43 @@ class OptimizerOffload:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this OptimizerOffload was closed; build a new one to keep training")
+
+
+class _StateView(Mapping):
+    """``OptimizerOffload.state``: each parameter's state in the optimizer that holds it (the
+    device optimizer's, or its host optimizer's, whose tensors are on the CPU), read-only."""
+
+    def __init__(self, owner: OptimizerOffload):
+        self._owner = weakref.ref(owner)
+
+    def _lookup(self, p: torch.Tensor) -> tuple[torch.optim.Optimizer, torch.Tensor] | None:
+        """The optimizer holding ``p``'s state and the tensor it is keyed by; None when closed."""
+        owner = self._owner()
+        i = owner._index_of.get(id(p)) if owner is not None and not owner._closed else None
+        if i is None:
+            return None
+        on_host, j = owner._where[i]
+        if on_host:
+            return owner._slots[j].optimizer, owner._slots[j].master
+        return owner.gpu_optimizer, p
+
+    def __getitem__(self, p: torch.Tensor) -> dict[str, Any]:
+        found = self._lookup(p)
+        if found is None or found[1] not in found[0].state:
+            raise KeyError(p)
+        return found[0].state[found[1]]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        owner = self._owner()
+        params = owner.param_groups[0]["params"] if owner is not None and not owner._closed else []
+        return iter([p for p in params if p in self])
+
+    def __contains__(self, p: object) -> bool:
+        found = self._lookup(p) if isinstance(p, torch.Tensor) else None
+        return found is not None and found[1] in found[0].state
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 # ---------------------------------------------------------------------- helpers

@@ -362,17 +362,45 @@ def test_checkpoints_move_between_fractions_and_the_plain_optimizer() -> None:
     assert_same_state(back.state_dict(), ref.state_dict())
 
 
-def test_learning_rate_changed_through_param_groups() -> None:
+def test_is_an_optimizer_for_schedulers_hooks_and_closures() -> None:
+    """A learning-rate schedule, step hooks and a closure work as with the plain optimizer."""
     ref_model, model = make_model(), make_model()
     ref = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
     opt = OptimizerOffload(model.parameters(), torch.optim.Adam, fraction=0.5, lr=1e-2)
-    assert len(opt.param_groups) == 1 + len(opt.host_params)
+    assert isinstance(opt, torch.optim.Optimizer) and len(opt.param_groups) == 1
+    calls = []
+    opt.register_step_post_hook(lambda optimizer, args, kwargs: calls.append(optimizer))
     for optimizer, m in ((ref, ref_model), (opt, model)):
-        train(m, optimizer, steps=2)
-        for group in optimizer.param_groups:
-            group["lr"] = 3e-3  # what a schedule does between steps
-        train(m, optimizer, steps=2)
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.3)
+        for x, y in batches(5):
+            def closure():
+                optimizer.zero_grad()
+                loss = torch.nn.functional.mse_loss(m(x), y)
+                loss.backward()
+                return loss
+            assert optimizer.step(closure) is not None
+            schedule.step()
     assert_params_equal(model, ref_model)
+    assert calls == [opt] * 5
+    assert all(group["lr"] == ref.param_groups[0]["lr"] for o in opt.host_optimizers for group in o.param_groups)
+
+
+def test_state_is_keyed_by_the_callers_parameters() -> None:
+    model = make_model()
+    opt = OptimizerOffload(model.parameters(), torch.optim.Adam, fraction=0.5)
+    params = list(model.parameters())
+    assert len(opt.state) == 0 and params[0] not in opt.state
+    train(model, opt, steps=1)
+    assert list(opt.state) == params
+    host, kept = opt.host_params[0], params[-1]
+    assert opt.state[host] is opt.host_optimizers[0].state[opt._slots[0].master]
+    assert opt.state[kept] is opt.gpu_optimizer.state[kept]
+    with pytest.raises(KeyError):
+        opt.state[torch.zeros(1)]
+    with pytest.raises(NotImplementedError, match="one param group"):
+        opt.add_param_group({"params": [torch.zeros(1, requires_grad=True)]})
+    opt.close()
+    assert len(opt.state) == 0
 
 
 def test_load_state_dict_of_another_shape_is_refused() -> None:
