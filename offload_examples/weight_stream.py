@@ -19,13 +19,17 @@ The life of one layer's weights during a training step, in the order it happens:
    gradient goes on to layer ``l - 1`` and the parameters' gradients stay on the GPU.
 5. **Written back.** The device-to-host stream, after waiting for the compute stream, copies the
    gradients into a second flat pinned buffer, whose views become the parameters' ``.grad``.
+   When the layer's parameters already had gradients (accumulation over micro-batches), that
+   buffer was first loaded to the device on the host-to-device stream, during the layer's
+   recomputation, and the new gradients were added to it there, as autograd would add them.
    The GPU gradients are dropped one layer later, after the compute stream has waited for that
    copy's event (on the device), so the write-back of layer ``l + 1`` overlaps with layer ``l``.
 6. **Done.** When layer 0's backward ends the host waits for the last write-back, so the
    gradients are complete when ``backward()`` returns and a host optimizer can step.
 
-At most two layers' weights and two layers' gradients are on the GPU at any time. Without a GPU
-the same code runs with CPU tensors; the copies are then synchronous.
+At most two layers' weights and two layers' gradients are on the GPU at any time, plus the
+earlier gradients of the layer in backward when they accumulate. Without a GPU the same code
+runs with CPU tensors; the copies are then synchronous.
 """
 
 from __future__ import annotations
@@ -73,9 +77,10 @@ class StreamedLayers(nn.Module):
     device:
         Where the layers compute.
 
-    Gradients are *written*, not accumulated: each parameter's ``.grad`` must be ``None`` when
-    backward reaches its layer (``optimizer.zero_grad(set_to_none=True)``). Random layers (dropout)
-    recompute with the random state of their first run.
+    Gradients accumulate as autograd's do: without ``zero_grad`` between backwards, each
+    parameter's ``.grad`` (a view of pinned host memory) holds the sum. Clearing them with
+    ``zero_grad(set_to_none=True)`` saves loading the old ones. Random layers (dropout) recompute
+    with the random state of their first run.
     """
 
     def __init__(self, layers: Sequence[nn.Module], device: torch.device | str):
@@ -108,7 +113,7 @@ class StreamedLayers(nn.Module):
         self.device_bytes = 0
         self.peak_device_bytes = 0
         #: ``(action, layer)`` in the order queued: ``load``, ``drop`` (weights), ``write``, ``free``
-        #: (gradients). Cleared at the start of every forward.
+        #: (gradients), ``load grads`` (earlier gradients to add to). Cleared at every forward.
         self.events: list[tuple[str, int]] = []
 
     # ------------------------------------------------------------------ read-outs
@@ -117,10 +122,11 @@ class StreamedLayers(nn.Module):
         """Bytes of each layer's parameters (as laid out in its flat buffer)."""
         return [layout.nbytes for layout in self._layouts]
 
-    def resident_bound(self) -> int:
-        """The most weight and gradient bytes streaming may hold: two layers' weights and gradients."""
+    def resident_bound(self, accumulating: bool = False) -> int:
+        """The most weight and gradient bytes streaming may hold: two layers' weights and gradients,
+        and, when gradients accumulate, the earlier gradients of one more layer."""
         top = sorted(self.weight_bytes, reverse=True)[:2]
-        return 2 * sum(top)
+        return 2 * sum(top) + (top[0] if accumulating else 0)
 
     def reset_peak(self) -> None:
         self.peak_device_bytes = self.device_bytes
@@ -168,6 +174,42 @@ class StreamedLayers(nn.Module):
             flat, _ = self._loaded.pop(i)
             self.device_bytes -= flat.numel()
             self.events.append(("drop", i))
+
+    def _load_earlier_grads(self, i: int) -> tuple[torch.Tensor, torch.cuda.Event | None, set[int]] | None:
+        """Queue the host-to-device copy of the gradients layer ``i``'s parameters already have.
+
+        Returns the device copy, its event and the ids of those parameters, or None when no
+        parameter has a gradient. A gradient that is not the view the last write-back made
+        (set by hand) is first copied into that view, on the host.
+        """
+        layout = self._layouts[i]
+        had = [p for p in layout.params if p.grad is not None]
+        if not had:
+            return None
+        host = dict(layout.views(self._grads[i].data))
+        with torch.no_grad():
+            for p in had:
+                if p.grad.data_ptr() != host[p].data_ptr() or p.grad.stride() != host[p].stride():
+                    host[p].copy_(p.grad)
+                    p.grad = host[p]
+        s = self.streams
+        flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device)  # on compute
+        self._count(flat.numel())
+        s.wait_stream(s.h2d, s.current())  # the memory may still be in use by queued compute work
+        with s.on(s.h2d), torch.no_grad():
+            flat.copy_(self._grads[i].data, non_blocking=True)
+        self.events.append(("load grads", i))
+        return flat, s.record(s.h2d), {id(p) for p in had}
+
+    def _add_earlier_grads(self, i: int, grads: list[torch.Tensor | None], earlier) -> None:
+        """Add the loaded earlier gradients into the new ones, on the compute stream, then drop them."""
+        flat, loaded, had = earlier
+        self.streams.wait(self.streams.current(), loaded)
+        with torch.no_grad():
+            for (p, old), g in zip(self._layouts[i].views(flat), grads):
+                if g is not None and id(p) in had:
+                    g.add_(old)  # a parameter without a new gradient keeps its .grad untouched
+        self.device_bytes -= flat.numel()  # read on the compute stream only, after the copy's event
 
     def _write_back(self, i: int, grads: list[torch.Tensor | None]) -> None:
         """Step 5: queue the device-to-host copy of layer ``i``'s gradients into its host buffer."""
@@ -217,24 +259,23 @@ class StreamedLayers(nn.Module):
 
     def _backward_layer(self, i: int, x: torch.Tensor, grad_out: torch.Tensor, rng) -> torch.Tensor | None:
         params = self._layouts[i].params
-        if any(p.grad is not None for p in params):
-            raise RuntimeError(
-                f"layer {i}: weight streaming writes gradients instead of accumulating them, and a parameter "
-                "already has one. Clear gradients with zero_grad(set_to_none=True) before each backward."
-            )
         self._use(i)
         self._load(i - 1)  # prefetch the next layer backward reaches
         self._drop_written(keep=i + 1)  # layer i + 1's write-back keeps running during this layer
+        earlier = self._load_earlier_grads(i)  # overlaps with the recomputation below
         try:
             with torch.enable_grad(), _restored_rng(rng, self.device):
                 x = x.detach().requires_grad_(x.requires_grad)
                 y = self.layers[i](x)
                 inputs = [x] + params if x.requires_grad else params
                 grads = torch.autograd.grad(y, inputs, grad_out, allow_unused=True)
+            grad_x, grad_params = (grads[0], grads[1:]) if x.requires_grad else (None, grads)
+            # Counted before the weights go: the gradients were made while they were loaded.
+            self._count(sum(g.numel() * g.element_size() for g in grad_params if g is not None))
         finally:
             self._unuse(i)
-        grad_x, grad_params = (grads[0], grads[1:]) if x.requires_grad else (None, grads)
-        self._count(sum(g.numel() * g.element_size() for g in grad_params if g is not None))
+        if earlier is not None:
+            self._add_earlier_grads(i, list(grad_params), earlier)
         self._write_back(i, list(grad_params))
         if i == 0:  # step 6: a host optimizer reads the gradients next
             self._drop_written()

@@ -93,11 +93,53 @@ def test_pinned_pool_does_not_grow_across_steps():
     assert (streamed.pool.held_bytes, streamed.pool.allocations) == (held, allocations)
 
 
-def test_gradients_left_from_the_last_step_are_a_clear_error():
-    streamed = StreamedLayers(list(build_linear_stack(2, 8)), "cpu")
-    streamed(torch.randn(2, 8)).sum().backward()
-    with pytest.raises(RuntimeError, match=r"writes gradients instead of accumulating.*zero_grad\(set_to_none=True\)"):
-        streamed(torch.randn(2, 8)).sum().backward()
+def accumulate(model: nn.Module, micro_batches: list[torch.Tensor]) -> None:
+    for x in micro_batches:
+        h = x
+        for layer in model:
+            h = layer(h)
+        h.square().mean().backward()
+
+
+@pytest.mark.parametrize("clear", ["none", "zeros", "by hand"])
+def test_gradients_accumulate_bitwise_like_autograd(clear):
+    """Three micro-batches without clearing in between: the sums equal a resident model's, whether
+    the first backward starts from no gradients, from zeroed ones, or from ones set by hand."""
+    layers = nn.ModuleList([nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 8), nn.Linear(8, 16, bias=False)])
+    resident, model, streamed = resident_and_streamed(layers, None)
+    micro = [torch.randn(3, 16) for _ in range(3)]
+    accumulate(resident, micro[:1])
+    accumulate(model, micro[:1])
+    if clear == "zeros":
+        resident.zero_grad(set_to_none=False)
+        model.zero_grad(set_to_none=False)
+    elif clear == "by hand":
+        for a, b in zip(resident.parameters(), model.parameters()):
+            a.grad = torch.full_like(a, 0.5)
+            b.grad = torch.full_like(b, 0.5)
+    accumulate(resident, micro[1:])
+    accumulate(model, micro[1:])
+    for (name, a), b in zip(resident.named_parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    assert ("load grads", 0) in streamed.events
+    assert 0 < streamed.peak_device_bytes <= streamed.resident_bound(accumulating=True)
+    assert streamed.device_bytes == 0
+
+
+def test_a_parameter_without_a_new_gradient_keeps_its_old_one():
+    class Skip(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.used(x)
+
+    streamed = StreamedLayers([Skip(), nn.Linear(4, 4)], "cpu")
+    unused = streamed.layers[0].unused.weight
+    unused.grad = torch.ones_like(unused)
+    streamed(torch.randn(2, 4)).sum().backward()
+    assert torch.equal(unused.grad, torch.ones_like(unused))
 
 
 def test_bad_layers_are_clear_errors():
@@ -148,3 +190,17 @@ def test_gpu_scenario_streams_with_overlap(cuda):
     assert abs(report["saving_ratio"] - 1) <= 0.05
     # the loads run while layers compute: most of their time overlaps with kernels
     assert report["host-to-device_overlapped_ms"] >= 0.8 * report["host-to-device_busy_ms"]
+
+
+@pytest.mark.gpu
+def test_gpu_gradient_accumulation_is_bitwise_and_bounded(cuda):
+    layers = build_linear_stack(6, 1024, dtype=torch.bfloat16)
+    micro = [torch.randn(2, 256, 1024, dtype=torch.bfloat16, device=cuda) for _ in range(3)]
+    with deterministic_kernels():
+        resident = copy.deepcopy(layers).to(cuda)
+        streamed = StreamedLayers(list(copy.deepcopy(layers)), cuda)
+        accumulate(resident, micro)
+        accumulate(nn.ModuleList([streamed]), micro)
+    for (name, a), b in zip(resident.named_parameters(), streamed.parameters()):
+        assert torch.equal(a.grad.cpu(), b.grad), name
+    assert streamed.resident_bound() < streamed.peak_device_bytes <= streamed.resident_bound(accumulating=True)
