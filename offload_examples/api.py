@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Mapping
+from typing import Mapping
 
 import torch
 

@@ -10,9 +10,12 @@ up the way PyTorch's CUDA graph notes recommend:
    offload engine's pinned host buffers are all made here, outside the capture);
 2. gradients set to ``None``, so the captured backward *allocates* them in the graph's private
    memory pool and every replay overwrites them (instead of accumulating);
-3. the capture, inside which the step runs exactly once.
+3. the capture, on the same side stream (cuBLAS keeps a workspace per stream: the warm-up's is
+   reused rather than a new one made inside the graph), in which the step runs exactly once.
 
-Replays then copy each new batch into :attr:`CapturedStep.static_input` first.
+Replays then copy each new batch into :attr:`CapturedStep.static_input` first, and point every
+parameter's ``.grad`` back at the gradients the graph writes, so ``zero_grad(set_to_none=True)``
+between replays does no harm.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ class CapturedStep:
         memory the capture allocated, so this is the step's peak as the graph sees it.
     pool_bytes:
         Memory the caching allocator reserved for the graph's private pool during the capture.
+    static_grads:
+        ``(parameter, gradient)`` for every parameter the captured backward wrote a gradient to.
     """
 
     graph: torch.cuda.CUDAGraph
@@ -54,12 +59,14 @@ class CapturedStep:
     baseline_bytes: int
     peak_bytes: int
     pool_bytes: int
+    static_grads: list[tuple[nn.Parameter, torch.Tensor]]
 
     def replay(self, x: torch.Tensor | None = None) -> torch.Tensor:
         """Copy ``x`` (when given) into the static input and replay the step; returns the output.
 
         The returned tensor and the parameters' ``.grad`` are the graph's own memory: copy them
-        before the next replay if they must be kept.
+        before the next replay if they must be kept. Each ``.grad`` is set back to the tensor the
+        graph writes, in case it was cleared or replaced since the last replay.
         """
         if x is not None:
             if x.shape != self.static_input.shape or x.dtype != self.static_input.dtype:
@@ -69,6 +76,8 @@ class CapturedStep:
                 )
             with torch.no_grad():
                 self.static_input.copy_(x)
+        for p, grad in self.static_grads:
+            p.grad = grad
         self.graph.replay()
         return self.static_output
 
@@ -126,13 +135,15 @@ def capture_step(
     torch.cuda.current_stream().wait_stream(side)
     _clear_grads(params, static_input)
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # what torch.cuda.graph does on entry: measure the pool from there
     baseline, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):
         out = step(static_input)
     torch.cuda.synchronize()
+    grads = [(p, p.grad) for p in params if p.grad is not None]
     return CapturedStep(
         graph, static_input, out, baseline, torch.cuda.max_memory_allocated(),
-        torch.cuda.memory_reserved() - reserved,
+        torch.cuda.memory_reserved() - reserved, grads,
     )

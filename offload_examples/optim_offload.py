@@ -59,6 +59,15 @@ exactly the keyword arguments the plain optimizer accepts.
 
 Caveats
 -------
+The gradient copied in step 3 is the one autograd produced. A later change that PyTorch's version
+counter sees (clipping, ``mul_``, assigning ``p.grad``) makes :meth:`~OptimizerOffload.step` copy
+it again. ``torch.amp.GradScaler`` is supported: the wrapper takes the scale from it and unscales
+the host copies itself (after ``scaler.unscale_(optimizer)``, e.g. to clip, every gradient is
+copied again at the step). Changes the counter does not see are not noticed: an in-place
+``all_reduce`` of ``p.grad`` (or DDP with ``gradient_as_bucket_view=True``) and writes through
+``p.grad.data``. Pass ``grad_copy="step"`` in those cases, and to use the wrapper with CUDA graphs
+(a replay runs no hooks): every gradient is then copied at the step, without overlap.
+
 The host master, not the device tensor, is what an offloaded parameter is updated from. A change
 made to the parameter in place (``with torch.no_grad(): p.copy_(w)``, ``load_state_dict``) bumps
 its version counter and is picked up at the next step (a blocking copy). Writing through
@@ -81,6 +90,7 @@ import functools
 import math
 import numbers
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 from types import TracebackType
@@ -89,6 +99,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from .engine import GraphCaptureError
 from .host_pool import HostBuffer, HostBufferPool
 from .streams import Streams
 
@@ -150,6 +161,11 @@ class OptimizerOffload(torch.optim.Optimizer):
         An elementwise optimizer: one of :data:`SUPPORTED_OPTIMIZERS` or a subclass of one.
     fraction:
         Share of the parameter bytes whose state goes to the host, in ``[0, 1]``.
+    grad_copy:
+        ``"backward"`` (default): copy each offloaded gradient to the host as soon as autograd
+        has accumulated it, overlapping the rest of the backward. ``"step"``: copy them all at
+        :meth:`step`, for gradients changed after the backward in ways the hooks cannot see
+        (see the module docstring's caveats).
     **optimizer_kwargs:
         Passed to every optimizer (see the module docstring for ``capturable``).
 
@@ -176,10 +192,15 @@ class OptimizerOffload(torch.optim.Optimizer):
         params: Iterable[torch.Tensor],
         optimizer_class: type[torch.optim.Optimizer] = torch.optim.Adam,
         fraction: float = 0.5,
+        *,
+        grad_copy: str = "backward",
         **optimizer_kwargs: Any,
     ):
         _check_optimizer_class(optimizer_class)
         self.fraction = _check_fraction(fraction)
+        if grad_copy not in ("backward", "step"):
+            raise ValueError(f'grad_copy must be "backward" or "step", got {grad_copy!r}')
+        self.grad_copy = grad_copy
         all_params = _collect_params(params)
         self.optimizer_class = optimizer_class
         self.optimizer_kwargs = dict(optimizer_kwargs)
@@ -221,6 +242,16 @@ class OptimizerOffload(torch.optim.Optimizer):
                 # is several times faster than the per-tensor loop, and the CPU is the bottleneck.
                 host_kwargs["fused"] = True
         self._slots = [self._make_slot(i, p, host_kwargs) for i, p in enumerate(self.host_params)]
+        if grad_copy == "step":
+            return
+        if self._slots and torch.distributed.is_available() and torch.distributed.is_initialized():
+            warnings.warn(
+                "OptimizerOffload copies gradients to the host as autograd finishes them; a reduction that "
+                "changes them in place afterwards without bumping their version (DDP with "
+                "gradient_as_bucket_view=True, a manual all_reduce of p.grad) would not be seen. Pass "
+                'grad_copy="step" unless the reduction happens before the hooks or assigns p.grad.',
+                stacklevel=2,
+            )
         # Hooks last: a constructor that raised above leaves no hook behind on the caller's parameters.
         for slot in self._slots:
             hook = functools.partial(_grad_ready, weakref.ref(self), slot.index)
@@ -230,6 +261,10 @@ class OptimizerOffload(torch.optim.Optimizer):
     def host_optimizers(self) -> list[torch.optim.Optimizer]:
         """The per-parameter host optimizers, in the order of :attr:`host_params`."""
         return [slot.optimizer for slot in self._slots]
+
+    #: ``torch.amp.GradScaler.step`` hands this optimizer the scale and the inf check instead of
+    #: unscaling the gradients in place, which would change them behind the copies made in the backward.
+    _step_supports_amp_scaling = True
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Called once by the constructor; the wrapper holds exactly one group."""
@@ -286,11 +321,22 @@ class OptimizerOffload(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._sync_hyperparameters()
+        inv_scale, recopy = self._from_grad_scaler()
+        if inv_scale is False:  # GradScaler found inf or nan: skip the step, as it does for any optimizer
+            with self._lock:
+                self._arrived.clear()
+            return loss
         s = self.streams
         compute = s.current()
         # Everything queued so far: the backward and whatever the caller did to the gradients.
         backward_done = s.record(compute)
         if self.gpu_optimizer is not None:
+            if inv_scale is not None:
+                on_device = inv_scale.to(self.device)
+                with torch.no_grad():
+                    for p in self.gpu_optimizer.param_groups[0]["params"]:
+                        if p.grad is not None:
+                            p.grad.mul_(on_device)  # what GradScaler.unscale_ computes
             self.gpu_optimizer.step()  # queued first, so the device works while the CPU updates
         # The copies into the parameters must not overwrite them while a backward kernel queued
         # before this point may still read them. The device optimizer's step, queued since, never
@@ -299,7 +345,7 @@ class OptimizerOffload(torch.optim.Optimizer):
         s.wait(s.h2d, backward_done)
         last = None
         for slot in self._update_order():
-            self._update(slot, backward_done)
+            self._update(slot, backward_done, inv_scale, recopy)
             last = slot.written
         # The next forward reads the parameters on the compute stream. The host-to-device stream
         # runs the copies in order, so its last event covers them all. A device-side wait only.
@@ -317,11 +363,29 @@ class OptimizerOffload(torch.optim.Optimizer):
         order += [slot for slot in self._slots if slot.index not in seen]
         return [slot for slot in order if slot.param.grad is not None]  # skipped, like torch.optim
 
-    def _update(self, slot: _HostSlot, backward_done: torch.cuda.Event | None) -> None:
+    def _from_grad_scaler(self) -> tuple[torch.Tensor | None | bool, bool]:
+        """Read what ``GradScaler.step`` left on the optimizer (``grad_scale``, ``found_inf``).
+
+        Returns the inverse scale to apply to the gradients (None: nothing to unscale; False: skip
+        the step) and whether the gradients were unscaled in place after the backward's copies.
+        """
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is None:
+            return None, False
+        if found_inf.item():  # a host read, as GradScaler's own step makes
+            return False, False
+        grad_scale = getattr(self, "grad_scale", None)
+        if grad_scale is None:  # scaler.unscale_(optimizer) ran: the device gradients changed in place
+            return None, True
+        return grad_scale.double().reciprocal().float().cpu(), False
+
+    def _update(self, slot: _HostSlot, backward_done: torch.cuda.Event | None,
+                inv_scale: torch.Tensor | None = None, recopy: bool = False) -> None:
         """Steps 4 and 5 for one parameter: wait for its gradient, update the master, copy it back."""
         p, s = slot.param, self.streams
         grad = p.grad
-        if not (slot.copied_from is not None and slot.copied_from() is grad and slot.copied_version == grad._version):
+        if recopy or not (slot.copied_from is not None and slot.copied_from() is grad
+                          and slot.copied_version == grad._version):
             self.late_grad_copies += 1  # set by hand, or changed in place (clipping) after the hook's copy
             self._copy_grad(slot, after=backward_done)
         # The previous step's copy of the master to the device may still be reading it, and the
@@ -336,6 +400,8 @@ class OptimizerOffload(torch.optim.Optimizer):
         # The CPU reads the gradient buffer next; only the host can wait for a copy it reads.
         if slot.copied is not None:
             slot.copied.synchronize()
+        if inv_scale is not None:
+            slot.grad.mul_(inv_scale)  # the host copy is still scaled; the device gradient stays so too
         slot.master.grad = slot.grad
         try:
             slot.optimizer.step()
@@ -560,9 +626,9 @@ class _StateView(Mapping):
 
     def __getitem__(self, p: torch.Tensor) -> dict[str, Any]:
         found = self._lookup(p)
-        if found is None or found[1] not in found[0].state:
+        if found is None:
             raise KeyError(p)
-        return found[0].state[found[1]]
+        return found[0].state.get(found[1], {})  # {} before the first step, as torch's defaultdict gives
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         owner = self._owner()
@@ -581,8 +647,15 @@ class _StateView(Mapping):
 def _grad_ready(ref: weakref.ref, index: int, param: torch.Tensor) -> None:
     """Post-accumulate-grad hook. Holds the wrapper weakly so the parameters don't keep it alive."""
     self = ref()
-    if self is not None and not self._closed:
-        self._copy_grad(self._slots[index])
+    if self is None or self._closed:
+        return
+    if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise GraphCaptureError(
+            "OptimizerOffload copies gradients in backward hooks, which a CUDA graph replay does not run, "
+            'and the host could read a copy the replay has not finished. Build it with grad_copy="step" '
+            "to use it with a captured backward: the gradients are then copied at step()"
+        )
+    self._copy_grad(self._slots[index])
 
 
 def _check_optimizer_class(cls: Any) -> None:

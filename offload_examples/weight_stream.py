@@ -24,8 +24,10 @@ The life of one layer's weights during a training step, in the order it happens:
    recomputation, and the new gradients were added to it there, as autograd would add them.
    The GPU gradients are dropped one layer later, after the compute stream has waited for that
    copy's event (on the device), so the write-back of layer ``l + 1`` overlaps with layer ``l``.
-6. **Done.** When layer 0's backward ends the host waits for the last write-back, so the
-   gradients are complete when ``backward()`` returns and a host optimizer can step.
+6. **Done.** When autograd's backward ends (a callback the first layer backward queued), the
+   last gradients are dropped and the host waits for the last write-back, so the gradients are
+   complete when ``backward()`` returns and a host optimizer can step; a layer loaded ahead but
+   never reached (a first layer with nothing to differentiate) is dropped too.
 
 At most two layers' weights and two layers' gradients are on the GPU at any time, plus the
 earlier gradients of the layer in backward when they accumulate. Without a GPU the same code
@@ -115,6 +117,8 @@ class StreamedLayers(nn.Module):
         #: ``(action, layer)`` in the order queued: ``load``, ``drop`` (weights), ``write``, ``free``
         #: (gradients), ``load grads`` (earlier gradients to add to). Cleared at every forward.
         self.events: list[tuple[str, int]] = []
+        self._keep_last = True
+        self._backward_queued = False
 
     # ------------------------------------------------------------------ read-outs
     @property
@@ -241,9 +245,33 @@ class StreamedLayers(nn.Module):
             self.device_bytes -= sum(g.numel() * g.element_size() for g in grads)
             self.events.append(("free", i))
 
+    def _drop_loaded(self) -> None:
+        """Drop every loaded layer, after the compute stream has waited for its load to finish."""
+        for i in list(self._loaded):
+            self.streams.wait(self.streams.current(), self._loaded[i][1])
+            self._unuse(i)
+
+    def _release_all(self) -> None:
+        """Give back everything on the device: loaded weights and gradients being written back."""
+        self._drop_loaded()
+        self._drop_written()
+        self._backward_queued = False  # an aborted backward never ran its callback
+
+    def _end_backward(self) -> None:
+        """Step 6, queued with autograd to run once the whole backward has finished."""
+        self._backward_queued = False
+        self._drop_written()
+        self._drop_loaded()  # prefetched for a layer whose backward never ran
+        if self.streams.is_cuda:
+            self.streams.d2h.synchronize()
+
     # ------------------------------------------------------------------ the model
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._release_all()  # left by a forward without backward, or by an exception
         self.events = []
+        # The last layer stays loaded for the backward that comes next, if one comes.
+        self._keep_last = torch.is_grad_enabled() and (
+            x.requires_grad or any(p.requires_grad for layout in self._layouts for p in layout.params))
         for i, layout in enumerate(self._layouts):
             # The parameters go in too (unused) so that the output requires grad even when x does not.
             x = _StreamedLayer.apply(x, self, i, *layout.params)
@@ -254,33 +282,39 @@ class StreamedLayers(nn.Module):
         self._load(i + 1)  # prefetch: overlaps with this layer's compute
         try:
             return self.layers[i](x)
-        finally:  # the last layer stays loaded: its backward comes next
-            self._unuse(i, drop=i < len(self.layers) - 1)
+        finally:
+            self._unuse(i, drop=i < len(self.layers) - 1 or not self._keep_last)
 
-    def _backward_layer(self, i: int, x: torch.Tensor, grad_out: torch.Tensor, rng) -> torch.Tensor | None:
-        params = self._layouts[i].params
+    def _backward_layer(self, i: int, x: torch.Tensor, grad_out: torch.Tensor, saved) -> torch.Tensor | None:
+        if not self._backward_queued:  # step 6 runs when autograd's whole backward is done
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self._backward_queued = True
+        params = [p for p in self._layouts[i].params if p.requires_grad]  # frozen ones get no gradient
         self._use(i)
         self._load(i - 1)  # prefetch the next layer backward reaches
         self._drop_written(keep=i + 1)  # layer i + 1's write-back keeps running during this layer
         earlier = self._load_earlier_grads(i)  # overlaps with the recomputation below
         try:
-            with torch.enable_grad(), _restored_rng(rng, self.device):
+            with torch.enable_grad(), _replayed(saved, self.device):
                 x = x.detach().requires_grad_(x.requires_grad)
                 y = self.layers[i](x)
                 inputs = [x] + params if x.requires_grad else params
                 grads = torch.autograd.grad(y, inputs, grad_out, allow_unused=True)
-            grad_x, grad_params = (grads[0], grads[1:]) if x.requires_grad else (None, grads)
+            grad_x, grad_params = (grads[0], list(grads[1:])) if x.requires_grad else (None, list(grads))
             # Counted before the weights go: the gradients were made while they were loaded.
             self._count(sum(g.numel() * g.element_size() for g in grad_params if g is not None))
+        except BaseException:
+            if earlier is not None:  # its copy may still be writing: the compute stream waits before freeing
+                self.streams.wait(self.streams.current(), earlier[1])
+                self.device_bytes -= earlier[0].numel()
+            raise
         finally:
             self._unuse(i)
+        by_param = {id(p): g for p, g in zip(params, grad_params)}
+        grad_params = [by_param.get(id(p)) for p in self._layouts[i].params]
         if earlier is not None:
-            self._add_earlier_grads(i, list(grad_params), earlier)
-        self._write_back(i, list(grad_params))
-        if i == 0:  # step 6: a host optimizer reads the gradients next
-            self._drop_written()
-            if self.streams.is_cuda:
-                self.streams.d2h.synchronize()
+            self._add_earlier_grads(i, grad_params, earlier)
+        self._write_back(i, grad_params)
         return grad_x
 
 
@@ -289,19 +323,30 @@ def _rng_state(device: torch.device):
     return torch.get_rng_state(), cuda
 
 
-class _restored_rng:
-    """Run the recomputation with the random state its first run had, then restore the present one."""
+def _forward_state(device: torch.device):
+    """What the recomputation must repeat: the random state and the autocast setting of the forward."""
+    autocast = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
+    return _rng_state(device), autocast
 
-    def __init__(self, state, device: torch.device):
-        self.state, self.device = state, device
+
+class _replayed:
+    """Run the recomputation with the random state and autocast its first run had, then restore
+    the present random state."""
+
+    def __init__(self, saved, device: torch.device):
+        (self.state, self.autocast), self.device = saved, device
 
     def __enter__(self) -> None:
         self.saved = _rng_state(self.device)
         torch.set_rng_state(self.state[0])
         if self.state[1] is not None:
             torch.cuda.set_rng_state(self.state[1], self.device)
+        enabled, dtype = self.autocast
+        self.cast = torch.autocast(self.device.type, dtype=dtype, enabled=enabled)
+        self.cast.__enter__()
 
     def __exit__(self, *exc) -> None:
+        self.cast.__exit__(*exc)
         torch.set_rng_state(self.saved[0])
         if self.saved[1] is not None:
             torch.cuda.set_rng_state(self.saved[1], self.device)
@@ -313,13 +358,13 @@ class _StreamedLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, owner: StreamedLayers, i: int, *params: nn.Parameter) -> torch.Tensor:
         ctx.owner, ctx.i = owner, i
-        ctx.rng = _rng_state(owner.device)
+        ctx.saved_state = _forward_state(owner.device)
         ctx.save_for_backward(x)
         return owner._forward_layer(i, x)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         (x,) = ctx.saved_tensors
-        grad_x = ctx.owner._backward_layer(ctx.i, x, grad_out, ctx.rng)
+        grad_x = ctx.owner._backward_layer(ctx.i, x, grad_out, ctx.saved_state)
         # The parameters' gradients were written to their .grad on the host already.
         return (grad_x, None, None) + (None,) * len(ctx.owner._layouts[ctx.i].params)

@@ -9,6 +9,7 @@ replay is no slower than the eager offloaded step, and what cannot be captured f
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 
@@ -223,3 +224,39 @@ def test_gpu_per_module_graphs_inside_the_context_offload_nothing(cuda):
     torch.testing.assert_close(offloaded.output, plain.output)
     for name, grad in plain.grads.items():
         torch.testing.assert_close(offloaded.grads[name], grad, msg=name)
+
+
+@pytest.mark.gpu
+def test_gpu_optimizer_offload_refuses_a_captured_backward():
+    err = _capture_fails("""
+from offload_examples import OptimizerOffload
+opt = OptimizerOffload(layers.parameters(), torch.optim.Adam, fraction=1.0)
+capture_step(lambda x: training_step(layers, x), x, layers.parameters())
+""")
+    assert "GraphCaptureError: OptimizerOffload copies gradients in backward hooks" in err, err[-3000:]
+    assert 'grad_copy="step"' in err, err[-3000:]
+
+
+@pytest.mark.gpu
+def test_gpu_replays_with_optimizer_offload_copying_at_the_step(cuda):
+    """zero_grad(set_to_none=True) between replays is harmless; with grad_copy="step" the wrapper
+    trains from the replays' gradients like plain SGD trains from eager steps."""
+    from offload_examples import OptimizerOffload
+
+    layers, x = _small_cuda_model(cuda)
+    ref_layers = [copy.deepcopy(layer) for layer in layers]
+    ref_params = [p for layer in ref_layers for p in layer.parameters()]
+    ref = torch.optim.SGD(ref_params, lr=0.1)
+    opt = OptimizerOffload(layers.parameters(), torch.optim.SGD, fraction=0.5, grad_copy="step", lr=0.1)
+    inputs = [torch.randn_like(x) for _ in range(3)]
+    with deterministic_kernels():
+        captured = capture_step(lambda x: training_step(layers, x), x, layers.parameters())
+        for xi in inputs:
+            opt.zero_grad(set_to_none=True)
+            captured.replay(xi)
+            opt.step()
+            ref.zero_grad(set_to_none=True)
+            training_step(ref_layers, xi.clone().requires_grad_())
+            ref.step()
+    for p, q in zip(layers.parameters(), ref_params):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)  # the host half rounds like a CPU

@@ -403,6 +403,65 @@ def test_state_is_keyed_by_the_callers_parameters() -> None:
     assert len(opt.state) == 0
 
 
+def scaled_training(model, optimizer, steps: int = 4, unscale_and_clip: bool = False, inf_at: int = 2) -> list[float]:
+    """Train with a GradScaler; one step gets an inf gradient, which the scaler must skip."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+    scales = []
+    for i, (x, y) in enumerate(batches(steps)):
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        if i == inf_at:
+            with torch.no_grad():
+                model[0].weight.grad[0, 0] = float("inf")
+        if unscale_and_clip:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+@pytest.mark.parametrize("unscale_and_clip", [False, True])
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_grad_scaler_steps_like_the_plain_optimizer(fraction: float, unscale_and_clip: bool) -> None:
+    """GradScaler unscales without bumping versions; the wrapper takes the scale from it instead,
+    or copies again after scaler.unscale_. An inf gradient skips the step, as for the plain one."""
+    ref_model, model = make_model(), make_model()
+    ref = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
+    opt = OptimizerOffload(model.parameters(), torch.optim.Adam, fraction=fraction, lr=1e-2)
+    ref_scales = scaled_training(ref_model, ref, unscale_and_clip=unscale_and_clip)
+    assert scaled_training(model, opt, unscale_and_clip=unscale_and_clip) == ref_scales
+    assert ref_scales[2] < ref_scales[1]  # the inf step was skipped and the scale backed off
+    assert_params_equal(model, ref_model)
+    assert_same_state(opt.state_dict(), ref.state_dict())
+
+
+def test_grad_copy_at_step_sees_changes_the_hooks_cannot() -> None:
+    """A write through .grad.data (like an in-place all_reduce) bumps no version: with
+    grad_copy="step" the wrapper copies at the step and follows the plain optimizer."""
+    ref_model, model = make_model(), make_model()
+    ref = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    opt = OptimizerOffload(model.parameters(), torch.optim.SGD, fraction=1.0, grad_copy="step", lr=0.1)
+    assert not model[0].weight._post_accumulate_grad_hooks
+    for m, optimizer in ((ref_model, ref), (model, opt)):
+        for x, y in batches(3):
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            for p in m.parameters():
+                p.grad.data.mul_(0.5)  # a reduction's average, behind autograd's back
+            optimizer.step()
+            optimizer.zero_grad()
+    assert_params_equal(model, ref_model)
+    with pytest.raises(ValueError, match='grad_copy must be "backward" or "step"'):
+        OptimizerOffload(make_model().parameters(), torch.optim.SGD, grad_copy="later")
+
+
+def test_distributed_runs_are_warned_about_in_place_reductions(monkeypatch) -> None:
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    with pytest.warns(UserWarning, match='gradient_as_bucket_view=True.*grad_copy="step"'):
+        OptimizerOffload(make_model().parameters(), torch.optim.SGD, fraction=0.5)
+
+
 def test_load_state_dict_of_another_shape_is_refused() -> None:
     model = make_model()
     opt = OptimizerOffload(model.parameters(), torch.optim.Adam, fraction=0.5)

@@ -142,6 +142,90 @@ def test_a_parameter_without_a_new_gradient_keeps_its_old_one():
     assert torch.equal(unused.grad, torch.ones_like(unused))
 
 
+def run_both(resident: nn.Module, model: nn.Module, x: torch.Tensor, backward: bool = True) -> None:
+    for m in (resident, model):
+        h = x
+        for layer in m:
+            h = layer(h)
+        if backward:
+            h.square().mean().backward()
+
+
+def assert_same_grads(resident: nn.Module, model: nn.Module) -> None:
+    for (name, a), b in zip(resident.named_parameters(), model.parameters()):
+        assert (a.grad is None) == (b.grad is None), name
+        assert a.grad is None or torch.equal(a.grad, b.grad), name
+
+
+class Fails(nn.Module):
+    """A layer that raises in its forward or backward when told to."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear, self.fail = nn.Linear(width, width), ""
+
+    def forward(self, x):
+        if self.fail == "forward":
+            raise RuntimeError("forward failed")
+        y = self.linear(x)
+        if self.fail == "backward" and torch.is_grad_enabled():
+            y.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("backward failed")))
+        return y
+
+
+@pytest.mark.parametrize("interruption", ["no_grad forward", "forward raises", "backward raises"])
+def test_a_step_after_an_interrupted_one_uses_the_current_weights(interruption):
+    """Whatever the last step left loaded is given back: changed weights are loaded afresh."""
+    layers = nn.ModuleList([nn.Linear(8, 8), Fails(8), nn.Linear(8, 8)])
+    resident, model, streamed = resident_and_streamed(layers, None)
+    x = torch.randn(3, 8)
+    if interruption == "no_grad forward":
+        with torch.no_grad():
+            streamed(x)
+    else:
+        streamed.layers[1].fail = interruption.split()[0]
+        with pytest.raises(RuntimeError, match="failed"):
+            streamed(x).sum().backward()
+        streamed.layers[1].fail = ""
+    with torch.no_grad():  # an optimizer step, say
+        for a, b in zip(resident.parameters(), model.parameters()):
+            a.mul_(2)
+            b.mul_(2)
+    streamed.zero_grad(set_to_none=True)
+    run_both(resident, model, x)
+    assert_same_grads(resident, model)
+    assert streamed.device_bytes == 0 and not streamed._loaded and not streamed._writing
+
+
+def test_frozen_parameters_and_a_first_layer_without_any():
+    """A parameter-free first layer on an input without grad never runs backward: the write-backs
+    still finish and nothing stays on the device. Frozen parameters get no gradient."""
+    layers = nn.ModuleList([nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 8)])
+    layers[2].bias.requires_grad_(False)
+    resident, model, streamed = resident_and_streamed(layers, None)
+    run_both(resident, model, torch.randn(3, 8))
+    assert_same_grads(resident, model)
+    assert streamed.device_bytes == 0 and not streamed._loaded and not streamed._writing
+    assert ("write", 1) in streamed.events and not any(e[1] == 0 for e in streamed.events if e[0] == "write")
+
+
+def test_recomputation_runs_under_the_forwards_autocast():
+    layers = build_linear_stack(3, 16)
+    resident, model, _ = resident_and_streamed(layers, None)
+    x = torch.randn(4, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = []
+        for m in (resident, model):
+            h = x
+            for layer in m:
+                h = layer(h)
+            outs.append(h)
+    for out in outs:
+        assert out.dtype == torch.bfloat16
+        out.float().square().mean().backward()
+    assert_same_grads(resident, model)
+
+
 def test_bad_layers_are_clear_errors():
     with pytest.raises(ValueError, match="at least one layer"):
         StreamedLayers([], "cpu")

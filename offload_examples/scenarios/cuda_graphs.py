@@ -173,11 +173,6 @@ def _graphed(report, config, model, inputs, refs, ctx, sync, say) -> None:
     """Capture the step without and with offloading; time replays and check every gradient."""
     params = list(model.parameters())
     rows = report["rows"]
-    # The first capture on a stream makes cuBLAS workspaces inside its graph's memory (about
-    # 130 MiB on the H100). Capture once and discard it, so both measured graphs find them made.
-    say("  capturing once to make the library workspaces a capture needs")
-    capture_step(lambda x: training_step(model, x), inputs[0].clone().requires_grad_(), params, warmup=1)
-    model.zero_grad(set_to_none=True)
     say("  capturing the step without offloading")
     plain = capture_step(lambda x: training_step(model, x), inputs[0].clone().requires_grad_(), params,
                          warmup=config.warmup)
