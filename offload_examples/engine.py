@@ -27,7 +27,8 @@ host buffers, and the originals are released exactly when they would be on the G
 **Inside a CUDA graph capture** the same six steps are recorded instead of run: every copy, event
 record and event wait above is a stream operation, so it becomes a node of the graph, and each
 replay repeats them with no Python involved. Three things differ while capturing. Host buffers
-must already exist (pinning is a host call a capture cannot contain), so step 2 takes them from
+must already exist (the engine never pins during a capture: it fails on many PyTorch releases,
+and such a buffer would belong to that graph alone), so step 2 takes them from
 the pool's free lists, filled by an eager warm-up step, and the pool keeps them for the graph from
 then on. Step 2 does not wait for the buffer's last eager copy (``torch.cuda.graph`` synchronizes
 the device before capture begins, and a capture may not wait on an event recorded outside it).
@@ -741,8 +742,9 @@ class OffloadEngine:
 
 def _no_buffer_error(layer: int, captured: bool, err: NoFreeBufferError) -> GraphCaptureError:
     if captured:
-        why = ("pinning host memory is a host call that a CUDA graph capture cannot contain. Run at least "
-               "one eager step with the same shapes before capturing, so the pool holds every buffer")
+        why = ("the engine does not pin host memory during a CUDA graph capture (it fails on many PyTorch "
+               "releases). Run at least one eager step with the same shapes before capturing, so the pool "
+               "holds every buffer")
     else:
         why = ("the host buffers were frozen (freeze_host_buffers), so a step may only use buffers that "
                "earlier steps made; this step saves a tensor of a size they did not")

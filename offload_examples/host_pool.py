@@ -99,8 +99,8 @@ class HostBufferPool:
         """Lend a buffer of exactly ``nbytes``; allocate one only if none is free.
 
         With ``for_graph`` (during a CUDA graph capture) or when the pool is :attr:`frozen`,
-        nothing is allocated: pinning is a host-side call a capture cannot contain, and a frozen
-        pool promises fixed buffers. :class:`NoFreeBufferError` is raised instead.
+        nothing is allocated: pinning during a capture fails on many PyTorch releases, and a
+        frozen pool promises fixed buffers. :class:`NoFreeBufferError` is raised instead.
         """
         with self._lock:
             free = self._free.get(nbytes)

@@ -19,13 +19,17 @@ from __future__ import annotations
 
 import argparse
 import ast
+import os
 import time
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["execute_notebook", "has_outputs"]
+__all__ = ["cells_missing_figures", "execute_notebook", "has_outputs"]
 
 INJECTED = "injected-parameters"
+#: The kernel draws figures inline, whatever MPLBACKEND says outside (``Agg`` would leave every
+#: ``plt.show()`` without an image, and the docs site without pictures).
+INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
 
 
 def _inject(nb, parameters: Mapping[str, Any]) -> None:
@@ -64,7 +68,15 @@ def execute_notebook(
     client = nbclient.NotebookClient(
         nb, timeout=timeout, kernel_name=kernel_name, resources={"metadata": {"path": str(path.parent)}}
     )
-    client.execute()
+    outside = os.environ.get("MPLBACKEND")
+    os.environ["MPLBACKEND"] = INLINE_BACKEND  # the kernel inherits the environment when it starts
+    try:
+        client.execute()
+    finally:
+        if outside is None:
+            os.environ.pop("MPLBACKEND")
+        else:
+            os.environ["MPLBACKEND"] = outside
     stamp = nb.metadata.setdefault("offload_examples", {})
     stamp["executed_seconds"] = round(time.perf_counter() - start, 1)
     stamp["device"] = _device_name()
@@ -88,6 +100,15 @@ def has_outputs(path: str | Path) -> bool:
     nb = nbformat.read(Path(path), as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
     return bool(code) and all(c.execution_count for c in code) and any(c.outputs for c in code)
+
+
+def cells_missing_figures(path: str | Path) -> list[str]:
+    """Ids of code cells that call ``plt.show()`` but hold no image output."""
+    import nbformat
+
+    nb = nbformat.read(Path(path), as_version=4)
+    return [c.get("id", "?") for c in nb.cells if c.cell_type == "code" and "plt.show()" in c.source
+            and not any("image/png" in o.get("data", {}) for o in c.outputs)]
 
 
 def _literal(text: str) -> Any:

@@ -12,7 +12,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from offload_examples.notebooks import execute_notebook, has_outputs
+from offload_examples.notebooks import cells_missing_figures, execute_notebook, has_outputs
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 REQUIRED_CHECKS = {"grads_equal", "resident_matches_theory"}
@@ -22,7 +22,6 @@ def _env() -> None:
     # the kernel imports the package from the repository, installed or not
     root = str(Path(__file__).resolve().parents[1])
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-    os.environ.setdefault("MPLBACKEND", "Agg")
 
 
 def run(nb: Path, tmp_path: Path, **params) -> dict:
@@ -50,6 +49,21 @@ def test_committed_notebook_has_gpu_outputs(nb):
     assert "NVIDIA" in meta.get("device", ""), f"{nb.name}'s stored outputs do not come from a GPU run"
     first = nbformat.read(nb, as_version=4).cells
     assert not any("injected-parameters" in c.metadata.get("tags", []) for c in first), "stray injected cell"
+    assert not cells_missing_figures(nb), f"{nb.name}: figures missing from cells {cells_missing_figures(nb)}"
+
+
+def test_executed_notebooks_keep_their_figures(tmp_path, monkeypatch):
+    """Even with MPLBACKEND=Agg outside (as on a headless node), the kernel draws inline."""
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("device = 'cpu'", metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell("import matplotlib.pyplot as plt\nplt.plot([0, 1])\nplt.show()"),
+    ])
+    path = tmp_path / "figure.ipynb"
+    nbformat.write(nb, path)
+    _env()
+    execute_notebook(path)
+    assert not cells_missing_figures(path)
 
 
 @pytest.mark.gpu
