@@ -553,9 +553,14 @@ class OptimizerOffload(torch.optim.Optimizer):
         CPU tensors.
         """
         self._check_open()
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # registered as on any optimizer
+            pre_hook(self)
         state = {i: dict(self.state[p]) for i, p in enumerate(self.param_groups[0]["params"]) if p in self.state}
         group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
-        return {"state": state, "param_groups": [{**group, "params": list(range(len(self._where)))}]}
+        state_dict = {"state": state, "param_groups": [{**group, "params": list(range(len(self._where)))}]}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            state_dict = post_hook(self, state_dict) or state_dict
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a checkpoint written by :meth:`state_dict`, at any fraction, or by the plain optimizer.
@@ -565,6 +570,8 @@ class OptimizerOffload(torch.optim.Optimizer):
         param groups, another number of parameters) before loading anything.
         """
         self._check_open()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = pre_hook(self, state_dict) or state_dict
         group, state = self._check_checkpoint(state_dict)
         hyper = {k: v for k, v in group.items() if k not in ("params", "param_names") and k not in _FLAGS}
         self.param_groups[0].update(hyper)
@@ -581,6 +588,8 @@ class OptimizerOffload(torch.optim.Optimizer):
                     "state": {0: state[i]} if i in state else {},
                     "param_groups": [{**optimizer.param_groups[0], **hyper, "params": [0]}],
                 })
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def _check_checkpoint(self, state_dict: Any) -> tuple[dict[str, Any], dict[int, Any]]:
         """The single group and the state of a checkpoint, or a ValueError that says what differs."""

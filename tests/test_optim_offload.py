@@ -385,6 +385,21 @@ def test_is_an_optimizer_for_schedulers_hooks_and_closures() -> None:
     assert all(group["lr"] == ref.param_groups[0]["lr"] for o in opt.host_optimizers for group in o.param_groups)
 
 
+def test_state_dict_hooks_run_as_on_the_plain_optimizer() -> None:
+    model = make_model()
+    opt = OptimizerOffload(model.parameters(), torch.optim.Adam, fraction=0.5)
+    train(model, opt, steps=1)
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("save pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "note": "kept"})
+    opt.register_load_state_dict_pre_hook(lambda o, sd: {k: v for k, v in sd.items() if k != "note"})
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load post"))
+    saved = opt.state_dict()
+    assert saved["note"] == "kept"
+    opt.load_state_dict(saved)
+    assert calls == ["save pre", "load post"]
+
+
 def test_state_is_keyed_by_the_callers_parameters() -> None:
     model = make_model()
     opt = OptimizerOffload(model.parameters(), torch.optim.Adam, fraction=0.5)
