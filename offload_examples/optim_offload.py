@@ -693,12 +693,8 @@ def _has_fused_cpu(cls: type[torch.optim.Optimizer]) -> bool:
     return True
 
 
+#: Keys of a param group that choose an implementation rather than the arithmetic.
 _FLAGS = ("foreach", "fused", "capturable", "differentiable")
-
-
-def _flags(group: dict[str, Any]) -> dict[str, Any]:
-    """The keys of a param group that choose an implementation rather than the arithmetic."""
-    return {k: group[k] for k in _FLAGS if k in group}
 
 
 def _check_fraction(fraction: Any) -> float:

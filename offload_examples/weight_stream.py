@@ -36,6 +36,7 @@ runs with CPU tensors; the copies are then synchronous.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Iterator, Sequence
 
 import torch
@@ -323,33 +324,30 @@ def _rng_state(device: torch.device):
     return torch.get_rng_state(), cuda
 
 
+def _set_rng_state(state, device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
 def _forward_state(device: torch.device):
     """What the recomputation must repeat: the random state and the autocast setting of the forward."""
     autocast = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
     return _rng_state(device), autocast
 
 
-class _replayed:
+@contextlib.contextmanager
+def _replayed(saved, device: torch.device) -> Iterator[None]:
     """Run the recomputation with the random state and autocast its first run had, then restore
     the present random state."""
-
-    def __init__(self, saved, device: torch.device):
-        (self.state, self.autocast), self.device = saved, device
-
-    def __enter__(self) -> None:
-        self.saved = _rng_state(self.device)
-        torch.set_rng_state(self.state[0])
-        if self.state[1] is not None:
-            torch.cuda.set_rng_state(self.state[1], self.device)
-        enabled, dtype = self.autocast
-        self.cast = torch.autocast(self.device.type, dtype=dtype, enabled=enabled)
-        self.cast.__enter__()
-
-    def __exit__(self, *exc) -> None:
-        self.cast.__exit__(*exc)
-        torch.set_rng_state(self.saved[0])
-        if self.saved[1] is not None:
-            torch.cuda.set_rng_state(self.saved[1], self.device)
+    state, (enabled, dtype) = saved
+    present = _rng_state(device)
+    _set_rng_state(state, device)
+    try:
+        with torch.autocast(device.type, dtype=dtype, enabled=enabled):
+            yield
+    finally:
+        _set_rng_state(present, device)
 
 
 class _StreamedLayer(torch.autograd.Function):
