@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Mapping
+import warnings
+from typing import Callable, Mapping, Union
 
 import torch
 
 from .engine import OffloadEngine
+from .synchronizer import OffloadSynchronizer
 from .schedule import DefaultSchedule, SyncDictSchedule
 
 __all__ = ["get_cpu_offload_context"]
 
+SyncFunction = Callable[[torch.Tensor], torch.Tensor]
+OffloadContext = Union[OffloadEngine, contextlib.nullcontext]
+
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
+
+
+def _disabled(manual_synchronization: bool) -> tuple:
+    return (contextlib.nullcontext(), _identity) + ((None,) if manual_synchronization else ())
 
 
 def get_cpu_offload_context(
@@ -23,19 +32,22 @@ def get_cpu_offload_context(
     model_layers: int = 1,
     offload_activations: bool = True,
     offload_weights: bool = False,
+    double_buffering: bool = False,
     manual_synchronization: bool = False,
     retain_pinned_cpu_buffers: bool = False,
     offload_stream: torch.cuda.Stream | None = None,
-    synchronization_dict: Mapping[int, tuple[bool, int, bool, int]] | None = None,
     *,
+    synchronization_dict: Mapping[int, tuple[bool, int, bool, int]] | None = None,
     min_offload_bytes: int = 1024,
     host_memory_limit: int | None = None,
     device: torch.device | str | None = None,
-) -> tuple:
+) -> tuple[OffloadContext, SyncFunction] | tuple[OffloadContext, SyncFunction, OffloadSynchronizer | None]:
     """Build an offload context and its sync function.
 
-    The positional parameters mirror ``transformer_engine.pytorch.get_cpu_offload_context`` so
-    code written for one runs with the other::
+    The nine positional parameters have the names, order and defaults of
+    ``transformer_engine.pytorch.get_cpu_offload_context`` (Transformer Engine 2.x), so code
+    written for one runs with the other, including callers such as Megatron-LM that pass all of
+    them positionally. Everything after them is keyword-only and specific to this package::
 
         ctx, sync = get_cpu_offload_context(enabled=True, num_layers=4, model_layers=20)
         for layer in layers:
@@ -46,53 +58,83 @@ def get_cpu_offload_context(
 
     Parameters
     ----------
-    enabled:
-        When ``False`` return ``(contextlib.nullcontext(), identity)``.
-    num_layers:
+    enabled : bool, default False
+        When ``False``, return ``(contextlib.nullcontext(), identity)`` (with a third element,
+        ``None``, when ``manual_synchronization=True``) and check nothing else.
+    num_layers : int, default 1
         ``k``: offload the saved activations of the first ``k`` layers (``0 <= k <= N - 1``).
         Ignored with ``manual_synchronization`` or ``synchronization_dict``.
-    model_layers:
+    model_layers : int, default 1
         ``N``: how many times the context is entered per iteration.
-    offload_activations:
-        Offload tensors saved for backward (the only kind supported so far).
-    offload_weights:
-        Not part of the context; raises ``NotImplementedError``. Stream weights from host memory
-        with :class:`~offload_examples.StreamedLayers` instead.
-    manual_synchronization:
-        Return a third element, an :class:`~offload_examples.engine.OffloadSynchronizer`, and
+    offload_activations : bool, default True
+        Offload tensors saved for backward. With ``offload_weights=False`` too there is nothing
+        to offload and a ``ValueError`` is raised.
+    offload_weights : bool, default False
+        Accepted for compatibility; has no effect beyond a ``DeprecationWarning``, as in
+        Transformer Engine. With ``offload_activations=False`` the disabled contexts are
+        returned. To keep weights in host memory, stream them with
+        :class:`~offload_examples.StreamedLayers`.
+    double_buffering : bool, default False
+        Accepted for compatibility; has no effect: reloads are allocated per tensor.
+    manual_synchronization : bool, default False
+        Return a third element, an :class:`~offload_examples.OffloadSynchronizer`, and
         offload, release and reload layers only when its methods are called.
-    retain_pinned_cpu_buffers:
+    retain_pinned_cpu_buffers : bool, default False
         Keep pinned host buffers from one iteration to the next, so no memory is pinned after
         the first step.
-    offload_stream:
-        CUDA stream for device-to-host copies; a new one when ``None``.
-    synchronization_dict:
-        ``{layer: (offload_fwd, offload_num, reload_fwd, reload_num)}``: a declarative schedule
-        for any order of forwards and backwards (see :class:`~offload_examples.SyncDictSchedule`),
-        run through the same synchronizer as manual mode.
-    min_offload_bytes:
-        Storages smaller than this stay on the device.
-    host_memory_limit:
-        Most pinned bytes to hold; tensors beyond it stay on the device (with a warning).
-    device:
-        The compute device; the current CUDA device when CUDA is available, else the CPU.
+    offload_stream : torch.cuda.Stream or None, default None
+        CUDA stream for device-to-host copies; a new one when ``None``. Allowed in every mode
+        (Transformer Engine accepts it only with ``manual_synchronization=True``).
+    synchronization_dict : Mapping[int, tuple[bool, int, bool, int]] or None, default None
+        Keyword-only. ``{layer: (offload_fwd, offload_num, reload_fwd, reload_num)}``: a
+        declarative schedule for any order of forwards and backwards (see
+        :class:`~offload_examples.SyncDictSchedule`), run through the same synchronizer as manual
+        mode. Not a Transformer Engine parameter in any release.
+    min_offload_bytes : int, default 1024
+        Keyword-only. Storages smaller than this stay on the device.
+    host_memory_limit : int or None, default None
+        Keyword-only. Most pinned bytes to hold; tensors beyond it stay on the device (with a
+        warning). ``None`` for no limit.
+    device : torch.device, str or None, default None
+        Keyword-only. The compute device; the current CUDA device when CUDA is available, else
+        the CPU.
 
     Returns
     -------
     tuple
         ``(context, sync_function)``, or ``(context, sync_function, synchronizer)`` with
         ``manual_synchronization=True``. The context is an
-        :class:`~offload_examples.engine.OffloadEngine`, which also reports what it offloaded.
+        :class:`~offload_examples.OffloadEngine`, which also reports what it offloaded.
+
+    Raises
+    ------
+    ValueError
+        ``offload_activations`` and ``offload_weights`` both ``False``; ``num_layers`` outside
+        ``[0, model_layers - 1]``; ``manual_synchronization`` together with
+        ``synchronization_dict``.
+    TypeError
+        Non-integer layer counts; an extra (``synchronization_dict`` or later) passed
+        positionally.
+
+    Warns
+    -----
+    DeprecationWarning
+        ``offload_weights=True``.
     """
+    del double_buffering  # accepted for compatibility; has no effect
     if not enabled:
-        return (contextlib.nullcontext(), _identity) + ((None,) if manual_synchronization else ())
-    if offload_weights:
-        raise NotImplementedError(
-            "offload_weights=True is not part of the offload context: stream weights from host memory with "
-            "offload_examples.StreamedLayers(layers, device), which loads each layer just before it runs"
-        )
-    if not offload_activations:
+        return _disabled(manual_synchronization)
+    if not offload_activations and not offload_weights:
         raise ValueError("nothing to offload: offload_activations=False and offload_weights=False")
+    if offload_weights:
+        warnings.warn(
+            "offload_weights=True has no effect (as in Transformer Engine, where it is deprecated): only "
+            "activations are offloaded; to keep weights in host memory use offload_examples.StreamedLayers",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if not offload_activations:
+            return _disabled(manual_synchronization)
     if manual_synchronization and synchronization_dict is not None:
         raise ValueError("pass either manual_synchronization=True or a synchronization_dict, not both: "
                          "the dict drives the synchronizer itself")

@@ -1,41 +1,49 @@
 """The offload engine: the whole life of an offloaded tensor, in the order it happens.
 
 1. **Saved.** Inside ``with ctx:`` autograd hands every tensor it saves for backward to
-   :meth:`OffloadEngine._pack`. Weights, small tensors and tensors of layers that are not
-   offloaded are returned unchanged. Any other tensor is looked up by its *storage*: the first
-   tensor of a storage creates a :class:`_StorageRecord`, later tensors of the same storage
-   (views, the same tensor saved again) reuse it, so each storage is copied once and views come
-   back sharing memory. Autograd keeps a small :class:`_SavedView` instead of the tensor.
+   :meth:`OffloadEngine._pack`. :func:`~offload_examples.policy.keep_reason` keeps weights, small
+   tensors and tensors of layers that are not offloaded on the device. Any other tensor is looked
+   up by its *storage*: the first tensor of a storage creates a :class:`_StorageRecord`, later
+   tensors of the same storage (views, the same tensor saved again) reuse it, so each storage is
+   copied once and views come back sharing memory. Autograd keeps a small :class:`_SavedView`.
+   The record remembers the stream the tensor was saved on, its *home*: autograd runs the
+   backward of an operation on the stream its forward ran on, so that is where it will be read.
 2. **Copied out.** The record copies the storage's bytes into a pinned host buffer on the
-   device-to-host stream right away, after that stream has waited for the compute stream (the
-   tensor has only just been written). An event marks the end of the copy.
-3. **Released.** When the forward of layer ``N - k + i`` starts, layer ``i``'s records are
-   released: the compute stream waits for each copy's event (on the device) and the engine drops
+   device-to-host stream, after that stream has waited for the home stream (the tensor has only
+   just been written). An event marks the end of the copy. By default the copy is queued at once;
+   tensors autograd did not make (intermediates of a custom ``autograd.Function``, caller data)
+   wait until the layer's forward ends, when the policy can tell the two apart.
+3. **Released.** When the schedule says so (by default at the forward of layer ``N - k + i`` for
+   layer ``i``), the home stream waits for the copy's event, on the device, and the engine drops
    its reference to the GPU memory, so the caching allocator can hand it to the next layer.
-4. **Reloaded.** When the backward of layer ``i + max(1, N - 2 - k)`` starts (the gradient hook placed by
-   ``sync``), new GPU memory is allocated on the compute stream and filled on the host-to-device
-   stream; each record gets its own event.
-5. **Used.** When autograd unpacks a :class:`_SavedView`, the compute stream waits for *that
-   record's* reload event only, and the view is rebuilt with its dtype, shape, strides and offset.
+4. **Reloaded.** When the schedule says so (by default at the backward of layer
+   ``i + max(1, N - 2 - k)``, seen through the gradient hook placed by ``sync``), new GPU memory
+   is allocated *on the home stream*, so it returns to the pool of the stream that reads it, and
+   filled on the host-to-device stream; each record gets its own event.
+5. **Used.** When autograd unpacks a :class:`_SavedView`, the current stream waits for *that
+   record's* reload event only, marks its use of the memory (a no-op on the home stream), and
+   the view is rebuilt with its dtype, shape, strides and offset.
 6. **Freed.** When autograd drops the last :class:`_SavedView` of a record (after the layer's
-   backward), the GPU memory is dropped and the host buffer goes back to the pool, tagged with the
-   event of the last copy that touched it so its next user can wait for it.
+   backward, or when a graph is dropped without one), the GPU memory is dropped after the home
+   stream has waited for the copies, and the host buffer goes back to the pool, tagged with the
+   event of the last copy that touched it so that its next user can wait for it.
 
+Every copy goes through :meth:`Streams.copy <offload_examples.streams.Streams.copy>`, which
+keeps the stream rules in one place. Records hold no reference to the engine and hold the saved
+tensor detached, so a dropped graph frees its memory at once, without the garbage collector.
 Without a GPU the same code runs with CPU tensors: copies are synchronous and land in separate
 host buffers, and the originals are released exactly when they would be on the GPU.
 
 **Inside a CUDA graph capture** the same six steps are recorded instead of run: every copy, event
-record and event wait above is a stream operation, so it becomes a node of the graph, and each
-replay repeats them with no Python involved. Three things differ while capturing. Host buffers
-must already exist (the engine never pins during a capture: it fails on many PyTorch releases,
-and such a buffer would belong to that graph alone), so step 2 takes them from
-the pool's free lists, filled by an eager warm-up step, and the pool keeps them for the graph from
-then on. Step 2 does not wait for the buffer's last eager copy (``torch.cuda.graph`` synchronizes
-the device before capture begins, and a capture may not wait on an event recorded outside it).
-And a record may only be released, reloaded and used inside the capture that made it, so the
-forward and backward of offloaded layers must be captured together (a whole training step).
-Whatever cannot be captured raises :class:`GraphCaptureError` during the capture, so a graph
-never replays with copies missing.
+record and event wait above is a stream operation, so it becomes a node of the graph. Host buffers
+must already exist (the engine never pins during a capture), so step 2 takes them from the pool's
+free lists (kept by ``retain_pinned_cpu_buffers`` or :meth:`OffloadEngine.freeze_host_buffers`
+after an eager warm-up step), and the pool keeps them for the graph from then on. Step 2 does not
+wait for the buffer's last eager copy (``torch.cuda.graph`` synchronizes the device before the
+capture, and a capture may not wait on an event recorded outside it). A record may only be
+released, reloaded and used inside the capture that made it, so the forward and backward of
+offloaded layers must be captured together; otherwise :class:`GraphCaptureError` is raised during
+the capture, so a graph never replays with copies missing.
 """
 
 from __future__ import annotations
@@ -46,19 +54,21 @@ import warnings
 import weakref
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 import torch
 
+from .layer_state import ALLOWED_FROM, LayerState
 from .host_pool import HostBuffer, HostBufferPool, HostMemoryLimitError, NoFreeBufferError
-from .schedule import DefaultSchedule, RecordedSchedule, ResidentTrace, SyncDictSchedule
+from .policy import NOT_FROM_AUTOGRAD, held_elsewhere, keep_reason, mark_not_offload
+from .schedule import DefaultSchedule, ManualSchedule, ResidentTrace, SyncDictSchedule
 from .streams import Streams
-from .timeline import StepRecorder
+from .synchronizer import OffloadSynchronizer
 
 __all__ = [
-    "GraphCaptureError", "LayerStats", "OffloadEngine", "OffloadSynchronizer", "OffloadWarning", "mark_not_offload",
+    "GraphCaptureError", "LayerState", "LayerStats", "OffloadEngine", "OffloadWarning", "mark_not_offload",
 ]
 
-_KEEP_ATTR = "_offload_examples_keep"
 _active = threading.local()  # the engine whose context is open in this thread, if any
 
 
@@ -74,18 +84,6 @@ class GraphCaptureError(RuntimeError):
     """
 
 
-def mark_not_offload(*tensors: torch.Tensor) -> None:
-    """Keep these tensors on the device even when they are saved inside an offloaded layer.
-
-    Use it for tensors that stay alive anyway (a cache the caller holds), where copying them
-    out would cost bandwidth and save no memory.
-    """
-    for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"mark_not_offload expects tensors, got {type(t).__name__}")
-        setattr(t, _KEEP_ATTR, True)
-
-
 @dataclass
 class LayerStats:
     """What the engine did with one layer's saved tensors in the current iteration."""
@@ -97,22 +95,6 @@ class LayerStats:
     offloaded_storages: int = 0
     offloaded_bytes: int = 0
     kept_tensors: int = 0
-
-
-def _is_weight_like(t: torch.Tensor) -> bool:
-    """Parameters, leaves that require grad, their views, and autocast's casts of them."""
-    for x in (t, t._base):
-        if x is None:
-            continue
-        if isinstance(x, torch.nn.Parameter) or (x.requires_grad and x.grad_fn is None):
-            return True
-        fn = x.grad_fn
-        # autocast saves `weight.to(bf16)`: a copy whose only input is a leaf's AccumulateGrad
-        if fn is not None and type(fn).__name__ == "ToCopyBackward0":
-            inputs = [f for f, _ in fn.next_functions if f is not None]
-            if inputs and all(type(f).__name__ == "AccumulateGrad" for f in inputs):
-                return True
-    return False
 
 
 def _in_place_error(layer: int) -> RuntimeError:
@@ -145,62 +127,69 @@ class _Kept:
 
 
 class _StorageRecord:
-    """One offloaded storage: its GPU bytes, its host copy, and the events that order them."""
+    """One offloaded storage: its GPU bytes, its host copy, and the events that order them.
 
-    __slots__ = (
-        "engine", "layer", "iteration", "nbytes", "original", "version", "original_ref",
-        "device", "alloc_stream", "host", "offloaded", "reloaded", "views", "aborted", "captured",
-    )
+    It references the engine's streams and pool, never the engine, and the saved tensor only
+    detached: no reference cycle can keep GPU memory alive after autograd lets go.
+    """
 
-    def __init__(self, engine: OffloadEngine, layer: int, t: torch.Tensor):
+    __slots__ = ("streams", "pool", "layer", "iteration", "nbytes", "home", "device", "original", "version",
+                 "original_ref", "host", "offloaded", "reloaded", "views", "aborted", "captured", "deferred",
+                 "tried")
+
+    def __init__(self, engine: OffloadEngine, layer: int, t: torch.Tensor, deferred: bool):
         storage = t.untyped_storage()
-        self.engine = engine
-        self.layer = layer
-        self.iteration = engine.iteration
+        self.streams, self.pool = engine.streams, engine.pool
+        self.layer, self.iteration = layer, engine.iteration
         self.nbytes = storage.nbytes()
-        # Held until release so an in-place change can be detected, then only weakly.
-        self.original: torch.Tensor | None = t
-        self.version = t._version
-        self.original_ref = weakref.ref(t)
+        #: The stream the tensor was saved on: its backward reads it there, its reload is allocated there.
+        self.home = engine.streams.current()
         #: Flat uint8 view of the whole storage on the device, or None while it lives on the host.
         self.device: torch.Tensor | None = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-        self.alloc_stream = engine.streams.current()
-        self.host: HostBuffer | None = None  # lent by the pool when the copy is queued
+        # Held (detached: same storage and version counter, no grad_fn) until release, so that an
+        # in-place change can be detected; then only weakly.
+        self.original: torch.Tensor | None = t.detach()
+        self.version = t._version
+        self.original_ref = weakref.ref(t)
+        self.host: HostBuffer | None = None  # attached once its copy is queued
         self.offloaded: torch.cuda.Event | None = None
         self.reloaded: torch.cuda.Event | None = None
         self.views = 0
         self.aborted = False
         #: Made while a CUDA graph was being captured: it lives only inside that graph.
         self.captured = engine.capturing()
+        #: Made by an op autograd does not see into: copied only if nothing else holds the storage.
+        self.deferred = deferred
+        self.tried = False  # a copy out was attempted (at most once)
 
     def copy_out(self) -> None:
-        """Borrow a host buffer and queue the device-to-host copy (step 2).
+        """Step 2: borrow a host buffer and queue the device-to-host copy.
 
         Raises :class:`HostMemoryLimitError` (or the allocator's ``RuntimeError``) when no host
-        buffer can be had; the storage then simply stays on the device. During a capture, or
-        with frozen buffers, a missing buffer raises :class:`GraphCaptureError` instead: a graph
-        that silently kept the tensor on the device would not be the step that was asked for.
+        buffer can be had, and :class:`GraphCaptureError` when none may be made now; the storage
+        then simply stays on the device. The buffer is attached only once its copy is queued,
+        so a failed copy can never leave an unwritten buffer to be reloaded.
         """
+        self.tried = True
         try:
-            self.host = self.engine.pool.acquire(self.nbytes, for_graph=self.captured)
+            host = self.pool.acquire(self.nbytes, for_graph=self.captured)
         except NoFreeBufferError as err:
             raise _no_buffer_error(self.layer, self.captured, err) from None
-        s = self.engine.streams
-        s.wait_stream(s.d2h, self.alloc_stream)  # the tensor was just written on the compute stream
-        if not self.captured:  # see the module docstring: the device was synchronized before capture
-            s.wait(s.d2h, self.host.ready)  # the buffer's previous reload may still be reading it
-        recorder = self.engine.recorder
-        start = recorder.mark(s.d2h) if recorder else None  # after the waits: when the copy can begin
-        with s.on(s.d2h), torch.no_grad():
-            self.host.data.copy_(self.device, non_blocking=True)
-        self.offloaded = s.record(s.d2h)
-        if recorder:
-            recorder.add_copy("device-to-host", self.layer, start, recorder.mark(s.d2h), self.nbytes)
+        s = self.streams
+        # The tensor was just written on its home stream; the buffer's previous reload may still
+        # be reading it (not during a capture: the device was synchronized before it began).
+        after = (self.home,) if self.captured else (self.home, host.ready)
+        try:
+            self.offloaded = s.copy(host.data, self.device, on=s.d2h, after=after, lane="device-to-host",
+                                    layer=self.layer)
+        except BaseException:
+            self.pool.give_back(host, host.ready)  # nothing was queued on it
+            raise
+        self.host = host
 
-    def check_capture(self, what: str) -> None:
+    def check_capture(self, what: str, capturing: bool) -> None:
         """Refuse to mix a capture's records with work outside that capture (and vice versa)."""
-        now = self.engine.capturing()
-        if self.captured == now:
+        if self.captured == capturing:
             return
         if self.captured:
             raise GraphCaptureError(
@@ -218,67 +207,59 @@ class _StorageRecord:
         if t is not None and t._version != self.version:
             raise _in_place_error(self.layer)
 
-    def drop_device(self) -> None:
-        """Forget the GPU bytes (step 3 and 6).
-
-        The stream that allocated them first waits for the copies that read or wrote them, so
-        the caching allocator can reuse the memory on that stream without racing a side stream.
-        """
+    def drop_device(self, capturing: bool) -> None:
+        """Steps 3 and 6: the home stream waits for the copies that read or wrote the GPU bytes,
+        then they are dropped, so the allocator can reuse them on that stream without a race."""
         if self.device is None:
             return
-        s = self.engine.streams
-        if self.captured == self.engine.capturing():
-            s.wait(self.alloc_stream, self.offloaded)
-            s.wait(self.alloc_stream, self.reloaded)
+        if self.captured == capturing:
+            Streams.fence(self.home, self.offloaded, self.reloaded)
         # else the waits would cross a capture's edge, which CUDA forbids; they are not needed:
         # the device was synchronized before the capture, and a graph's copies finish inside it.
         self.device = None
         self.original = None
 
-    def copy_in(self, compute: torch.cuda.Stream | None) -> None:
-        """Allocate GPU bytes and queue the host-to-device copy (step 4).
+    def copy_in(self) -> None:
+        """Step 4: allocate GPU bytes on the home stream and queue the host-to-device copy."""
+        s = self.streams
+        with s.on(self.home):
+            self.device = torch.empty(self.nbytes, dtype=torch.uint8, device=s.device)
+        # The new block may be memory the home stream used until just now.
+        self.reloaded = s.copy(self.device, self.host.data, on=s.h2d, after=(self.home, self.offloaded),
+                               lane="host-to-device", layer=self.layer)
 
-        The caller has made the host-to-device stream wait for ``compute``, on which the new
-        memory was allocated (it may be memory the compute stream used until just now).
-        """
-        s = self.engine.streams
-        s.wait(s.h2d, self.offloaded)
-        recorder = self.engine.recorder
-        start = recorder.mark(s.h2d) if recorder else None
-        with s.on(s.h2d), torch.no_grad():
-            self.device.copy_(self.host.data, non_blocking=True)
-        self.reloaded = s.record(s.h2d)
-        if recorder:
-            recorder.add_copy("host-to-device", self.layer, start, recorder.mark(s.h2d), self.nbytes)
-
-    def free(self) -> None:
-        """Give everything back once autograd no longer needs the storage (step 6)."""
-        self.drop_device()
+    def free(self, capturing: bool) -> None:
+        """Step 6: give everything back once autograd no longer needs the storage."""
+        self.drop_device(capturing)
         if self.host is not None:
-            last_copy = self.reloaded or self.offloaded
-            self.engine.pool.give_back(self.host, last_copy)
+            self.pool.give_back(self.host, self.reloaded or self.offloaded)
             self.host = None
 
 
 class _SavedView:
     """What autograd keeps instead of an offloaded tensor: how to rebuild it from its record."""
 
-    __slots__ = ("record", "dtype", "size", "stride", "offset", "__weakref__")
+    __slots__ = ("record", "engine_ref", "dtype", "size", "stride", "offset")
 
-    def __init__(self, record: _StorageRecord, t: torch.Tensor):
-        self.record = record
-        self.dtype = t.dtype
-        self.size = t.size()
-        self.stride = t.stride()
-        self.offset = t.storage_offset()
+    def __init__(self, record: _StorageRecord, t: torch.Tensor, engine_ref: weakref.ref):
+        self.record, self.engine_ref = record, engine_ref
+        self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
         record.views += 1
 
     def __del__(self) -> None:
-        engine = self.record.engine
         try:
-            engine._view_dropped(self.record)
-        except Exception:  # never raise from a finaliser (interpreter shutdown, ...)
-            pass
+            engine = self.engine_ref()
+            if engine is not None:
+                engine._view_dropped(self.record)
+            else:  # the engine is gone: free the record by itself
+                self.record.views -= 1
+                if self.record.views == 0 and not self.record.aborted:
+                    self.record.free(capturing=False)
+        except Exception as err:  # a finaliser must not raise; say what leaked instead
+            try:
+                warnings.warn(f"freeing a saved tensor of layer {self.record.layer} failed: {err!r}", OffloadWarning)
+            except Exception:  # interpreter shutdown: nothing left to warn with
+                pass
 
 
 class OffloadEngine:
@@ -292,9 +273,9 @@ class OffloadEngine:
     schedule:
         Which layers are offloaded and when they are released and reloaded: a
         :class:`~offload_examples.DefaultSchedule` (copies start as tensors are saved), a
-        :class:`~offload_examples.SyncDictSchedule` (copies start when a layer's forward ends,
-        driven through :attr:`synchronizer`), or ``None`` for manual synchronization (you call
-        :attr:`synchronizer`'s methods yourself).
+        :class:`~offload_examples.SyncDictSchedule` (copies start when a layer's forward ends),
+        or a :class:`~offload_examples.schedule.ManualSchedule` (``None`` builds one from
+        ``model_layers``): nothing happens until :attr:`synchronizer`'s methods are called.
     model_layers:
         Context entries per iteration; only with ``schedule=None`` (schedules carry their own).
     device:
@@ -302,7 +283,8 @@ class OffloadEngine:
     min_offload_bytes:
         Storages smaller than this stay on the device (copying them costs more than it saves).
     retain_pinned_cpu_buffers:
-        Keep host buffers from one iteration to the next (no pinning after the first step).
+        Keep host buffers from one iteration to the next (no pinning after the first step);
+        otherwise they go back to PyTorch's pinned-memory cache, where other contexts find them.
     offload_stream:
         Stream for device-to-host copies; a new one when ``None``.
     host_memory_limit:
@@ -311,7 +293,7 @@ class OffloadEngine:
 
     def __init__(
         self,
-        schedule: DefaultSchedule | SyncDictSchedule | None,
+        schedule: DefaultSchedule | SyncDictSchedule | ManualSchedule | None,
         *,
         device: torch.device,
         model_layers: int | None = None,
@@ -323,15 +305,11 @@ class OffloadEngine:
         if not isinstance(min_offload_bytes, int) or min_offload_bytes < 0:
             raise ValueError(f"min_offload_bytes must be an int >= 0, got {min_offload_bytes!r}")
         if schedule is None:
-            if not isinstance(model_layers, int) or isinstance(model_layers, bool) or model_layers < 1:
-                raise ValueError(f"model_layers must be an int >= 1, got {model_layers!r}")
+            schedule = ManualSchedule(model_layers)
         elif model_layers is not None and model_layers != schedule.model_layers:
             raise ValueError(f"model_layers={model_layers} disagrees with the schedule's {schedule.model_layers}")
         self.schedule = schedule
-        self.model_layers = schedule.model_layers if schedule is not None else model_layers
-        #: Copy each tensor as it is saved (default schedule), or a whole layer when told to.
-        self.copy_on_save = isinstance(schedule, DefaultSchedule)
-        self.interleaved = schedule is None or schedule.interleaved
+        self.model_layers = schedule.model_layers
         #: Start offloads, releases and reloads by hand (TE's ``ManualOffloadSynchronizer`` API).
         self.synchronizer = OffloadSynchronizer(self)
         self.device = device
@@ -342,8 +320,6 @@ class OffloadEngine:
         )
         #: Set to ``True`` to log ``torch.cuda.memory_allocated()`` at each phase in :attr:`memory_trace`.
         self.record_memory = False
-        #: Timing marks for one step (:func:`offload_examples.timeline.record_layer_timeline` sets it).
-        self.recorder: StepRecorder | None = None
         self._lock = threading.RLock()  # views die and backward hooks run on autograd's threads
         self._warned: set[str] = set()
         self.iteration = -1
@@ -352,6 +328,15 @@ class OffloadEngine:
         self._new_iteration()
 
     # ------------------------------------------------------------------ public read-outs
+    @property
+    def recorder(self) -> Any:
+        """Timing marks for one step (:func:`offload_examples.timeline.record_layer_timeline` sets it)."""
+        return self.streams.observer
+
+    @recorder.setter
+    def recorder(self, value: Any) -> None:
+        self.streams.observer = value
+
     @property
     def offloaded_bytes(self) -> int:
         """Bytes copied to host memory in the current (or last) iteration."""
@@ -362,17 +347,12 @@ class OffloadEngine:
 
         Its ``saving`` is the peak-memory saving to expect in theory; its ``points`` say how many
         offloaded bytes should be on the device at each phase (compare :attr:`resident_trace`).
-        A :class:`~offload_examples.SyncDictSchedule` without an order is walked along the order
-        the phases ran in; manual synchronization along the actions as they were called.
+        A ``synchronization_dict`` without an order is walked along the order the phases ran in;
+        manual synchronization along the actions as they were called.
         """
         offloaded = [s.offloaded_bytes for s in self.stats]
         kept = [s.candidate_bytes - s.offloaded_bytes for s in self.stats]
-        if isinstance(self.schedule, DefaultSchedule):
-            return self.schedule.simulate(offloaded, kept)
-        if isinstance(self.schedule, SyncDictSchedule):
-            return self.schedule.simulate(offloaded, kept, self.schedule.order or self.phase_order())
-        recorded = RecordedSchedule.from_events(self.events, self.model_layers)
-        return recorded.simulate(offloaded, kept)
+        return self.schedule.predict(offloaded, kept, self.events)
 
     def phase_order(self) -> list[tuple[str, int]]:
         """The order in which layer phases started in the current (or last) iteration."""
@@ -390,29 +370,43 @@ class OffloadEngine:
         """Allocate no more host buffers: later steps reuse the ones made so far.
 
         A CUDA graph capture needs exactly this, and the engine behaves so by itself while
-        capturing. Calling it after an eager warm-up step runs that graph-safe path eagerly (on
-        a CPU too): buffers stay fixed, nothing is pinned per step, and a step that would need a
-        new buffer raises :class:`GraphCaptureError` during its forward.
+        capturing. Calling it after an eager warm-up step of a context built with
+        ``retain_pinned_cpu_buffers=True`` (without it, buffers go back to PyTorch's cache as soon
+        as they are free) runs that graph-safe path eagerly, on a CPU too: buffers stay fixed,
+        nothing is pinned per step, and a step that would need a new buffer raises
+        :class:`GraphCaptureError` during its forward.
         """
         self.pool.frozen = True
+
+    def reset(self) -> None:
+        """Abandon the current iteration: give back its GPU copies and host buffers at once.
+
+        Call it when a step failed outside the context (between layers, in the loss, in the
+        optimizer) and the next step should start afresh. A backward of the abandoned step
+        raises a clear error instead of computing with freed memory.
+        """
+        if self._in_layer:
+            raise RuntimeError("reset() was called inside the offload context; call it between steps")
+        self._abort()
 
     # ------------------------------------------------------------------ iterations
     def _new_iteration(self) -> None:
         """Forget the last iteration; its records that autograd still holds live on the host."""
         with self._lock:
+            capturing = self.capturing()
             for records in getattr(self, "_records", []):
                 for rec in records:
                     if rec.host is not None:  # never-offloaded records keep their only copy
-                        rec.drop_device()
+                        rec.drop_device(capturing)
             if self.iteration >= 0:  # a capture starting now takes its buffers from the free lists
-                self.pool.end_iteration(keep_free=self.capturing() or self.pool.frozen)
+                self.pool.end_iteration(keep_free=capturing or self.pool.frozen)
             self.iteration += 1
             n = self.model_layers
             self._records: list[list[_StorageRecord]] = [[] for _ in range(n)]
             self._by_storage: list[dict[int, _StorageRecord]] = [{} for _ in range(n)]
             self._seen: list[set[int]] = [set() for _ in range(n)]
-            #: Where each layer is in its life this iteration (see :class:`OffloadSynchronizer`).
-            self.layer_state: list[str] = ["not run"] * n
+            #: Where each layer is in its life this iteration (see :class:`LayerState`).
+            self.layer_state: list[LayerState] = [LayerState.NOT_RUN] * n
             self.stats = [LayerStats() for _ in range(n)]
             #: ``(kind, layer)`` in the order the engine acted (see the module docstring).
             self.events: list[tuple[str, int]] = []
@@ -428,13 +422,42 @@ class OffloadEngine:
             self._backwards: set[int] = set()
 
     def _abort(self) -> None:
-        """A layer's forward raised: give back every buffer and start afresh."""
+        """A step failed: give back every buffer and start afresh."""
         with self._lock:
+            capturing = self.capturing()
             for records in self._records:
                 for rec in records:
                     rec.aborted = True
-                    rec.free()
+                    rec.free(capturing)
             self._new_iteration()
+
+    def _iteration_over(self) -> bool:
+        """Whether the next entry of the context starts a new iteration."""
+        n = self.model_layers
+        if not self.schedule.interleaved:  # N forwards, then the backward: any backward ends the forwards
+            return self._backward_seen or self._entered == n
+        if self._entered < n:
+            return False
+        if len(self._backwards) == n:
+            return True
+        # Everything offloaded this iteration was dropped: the step ended without its backward, or
+        # its backward failed. (An iteration that offloaded nothing cannot tell that from a stray
+        # extra forward, which would shift every entry: it raises below.)
+        if self.live_views == 0 and (not self._backward_seen or any(self._records)):
+            return True
+        raise RuntimeError(
+            f"the offload context was entered more than model_layers={n} times before the backwards of "
+            f"entries {sorted(set(range(n)) - self._backwards)} ran. Set model_layers to the number of entries "
+            "per iteration (layers x micro-batches), keep forwards that are not part of the step (shape "
+            "inference, evaluation) outside the context, and if the last step failed, call reset()."
+        )
+
+    def _move(self, layer: int, to: LayerState, why: str) -> None:
+        """The one place a layer changes state; an illegal move raises with the schedule's words."""
+        state = self.layer_state[layer]
+        if state not in ALLOWED_FROM[to]:
+            raise RuntimeError(f"{self.schedule.describe(layer)}: {why}, but layer {layer} {state.value}")
+        self.layer_state[layer] = to
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> OffloadEngine:
@@ -452,29 +475,18 @@ class OffloadEngine:
                 "reaches: record a timeline of an eager step, or of a replay with the profiler"
             )
         with self._lock:
-            n = self.model_layers
-            if self.interleaved:  # the iteration ends once every entry's backward has run
-                ended = self._entered == n and (len(self._backwards) == n or
-                                                (self.live_views == 0 and not self._backward_seen))
-            else:
-                ended = self._backward_seen or (self._entered == n and self.live_views == 0)
-            if ended:
-                self._new_iteration()
-            elif self._entered == n:
-                raise RuntimeError(
-                    f"the offload context was entered more than model_layers={n} times before "
-                    + ("a backward pass" if not self.interleaved else
-                       f"the backwards of entries {sorted(set(range(n)) - self._backwards)} ran")
-                    + ". Set model_layers to the number of entries per iteration (layers x "
-                    "micro-batches), and keep forwards that are not part of the step (a pipeline "
-                    "stage's shape inference, an evaluation pass) outside the context."
-                )
-            j = self._entered
-            self.layer_state[j] = "running"
-            ready = self._mark()
-            self._run_actions("forward", j)
-            self.events.append(("forward", j))
-            self._note_phase("forward", j, ready)
+            try:
+                if self._iteration_over():
+                    self._new_iteration()
+                j = self._entered
+                self._move(j, LayerState.RUNNING, f"the forward of entry {j} started")
+                ready = self._mark()
+                self._run_actions("forward", j)
+                self.events.append(("forward", j))
+                self._note_phase("forward", j, ready)
+            except BaseException:
+                self._abort()  # no half-updated layer state survives a failed entry
+                raise
         self._layer = j
         self._in_layer = True
         _active.engine = self
@@ -494,9 +506,14 @@ class OffloadEngine:
             return
         with self._lock:
             j = self._layer
-            self.layer_state[j] = "offloading" if self.copy_on_save and self.schedule.is_offloaded(j) else "saved"
-            if isinstance(self.schedule, SyncDictSchedule) and self.schedule.is_offloaded(j):
-                self._start_offload(j)
+            try:
+                offloading = self.schedule.is_offloaded(j) and self.schedule.offload_at_exit
+                self._move(j, LayerState.OFFLOADING if offloading else LayerState.SAVED, "its forward ended")
+                if offloading:
+                    self._start_offload(j)
+            except BaseException:
+                self._abort()
+                raise
             self.resident_trace.append(("forward", j, self.resident_bytes))
             self._entered += 1
 
@@ -518,52 +535,54 @@ class OffloadEngine:
 
     # ------------------------------------------------------------------ the three actions
     def _start_offload(self, layer: int) -> None:
-        """Queue the device-to-host copies of a layer whose saving was deferred (manual, dict)."""
+        """Step 2 for every record of ``layer`` not copied yet (all of them outside default mode)."""
         stats = self.stats[layer]
         for rec in self._records[layer]:
-            if rec.host is not None or rec.device is None:
+            if rec.tried or rec.device is None:
                 continue
-            try:
-                rec.copy_out()
-            except GraphCaptureError:
-                raise
-            except (HostMemoryLimitError, RuntimeError) as err:
-                self._warn_once("host", f"keeping saved tensors of layer {layer} on the device: {err}")
+            if rec.deferred and held_elsewhere(rec.device, ours=2):  # caller data: a copy frees nothing
+                rec.tried = True
+                stats.candidate_bytes -= rec.nbytes
                 continue
-            stats.offloaded_storages += 1
-            stats.offloaded_bytes += rec.nbytes
-            stats.offloaded_tensors += rec.views
-            self.resident_bytes += rec.nbytes
-        self.layer_state[layer] = "offloading"
-        self.events.append(("offload_start", layer))
+            self._copy_out(rec)
+        if not self.schedule.copy_on_save:  # by default the copies began as tensors were saved
+            self.events.append(("offload_start", layer))
 
-    def _release(self, layer: int) -> None:
-        """Step 3: the compute stream waits for the copies, then the GPU memory is dropped."""
+    def _copy_out(self, rec: _StorageRecord) -> None:
+        try:
+            rec.copy_out()
+        except GraphCaptureError:
+            raise
+        except (HostMemoryLimitError, RuntimeError) as err:
+            self._warn_once("host", f"keeping saved tensors of layer {rec.layer} on the device: {err}")
+            return
+        stats = self.stats[rec.layer]
+        stats.offloaded_storages += 1
+        stats.offloaded_bytes += rec.nbytes
+        stats.offloaded_tensors += rec.views
+        self.resident_bytes += rec.nbytes
+
+    def _release(self, layer: int, why: str) -> None:
+        """Step 3: the home stream waits for the copies, then the GPU memory is dropped."""
+        self._move(layer, LayerState.RELEASED, why)
+        capturing = self.capturing()
         for rec in self._records[layer]:
             if rec.device is not None and rec.host is not None:
-                rec.check_capture("released")
+                rec.check_capture("released", capturing)
                 rec.check_version()
-                rec.drop_device()
+                rec.drop_device(capturing)
                 self.resident_bytes -= rec.nbytes
-        self.layer_state[layer] = "released"
         self.events += [("offload_finished", layer), ("release", layer)]
 
     def _reload(self, records: list[_StorageRecord]) -> None:
-        """Step 4: allocate on the compute stream, copy on the host-to-device stream."""
-        s = self.streams
-        compute = s.current()
+        """Step 4 for the records that live on the host."""
+        capturing = self.capturing()
         todo = [r for r in records if r.device is None and r.host is not None and not r.aborted]
         for rec in todo:
-            rec.check_capture("reloaded")
-        for rec in todo:
-            rec.device = torch.empty(rec.nbytes, dtype=torch.uint8, device=self.device)
-            rec.alloc_stream = compute
-            if rec.iteration == self.iteration:
-                self.resident_bytes += rec.nbytes
-        s.wait_stream(s.h2d, compute)
+            rec.check_capture("reloaded", capturing)
         for rec in todo:
             try:
-                rec.copy_in(compute)
+                rec.copy_in()
             except RuntimeError as err:  # CUDA refuses to wait on an event of another capture
                 if not rec.captured:
                     raise
@@ -572,39 +591,32 @@ class OffloadEngine:
                     "reloaded in another (make_graphed_callables captures forward and backward separately). "
                     "Capture the forward and the backward of the offloaded layers in one graph."
                 ) from err
+            if rec.iteration == self.iteration:
+                self.resident_bytes += rec.nbytes
 
-    def _reload_layer(self, layer: int) -> None:
+    def _reload_layer(self, layer: int, why: str) -> None:
+        self._move(layer, LayerState.RELOADING, why)
         self._reload(self._records[layer])
-        self.layer_state[layer] = "reloading"
         self.events.append(("reload_start", layer))
 
     def _run_actions(self, phase: str, layer: int) -> None:
-        """What a schedule asks for when ``phase`` of ``layer`` starts (nothing in manual mode)."""
-        if self.schedule is None:
-            return
-        dict_mode = isinstance(self.schedule, SyncDictSchedule)
+        """What the schedule asks for when ``phase`` of ``layer`` starts."""
         for action, i in self.schedule.actions(phase, layer):
-            state = self.layer_state[i]
+            why = f"the {action} came at the {phase} of layer {layer}"
             if action == "release":
-                if dict_mode and state != "offloading":
-                    raise RuntimeError(f"{self.schedule.describe(i)}: the release came at the {phase} of "
-                                       f"layer {layer}, but layer {i} {_STATE_WORDS[state]}")
-                self._release(i)
+                self._release(i, why)
             else:
-                if dict_mode and state != "released":
-                    raise RuntimeError(f"{self.schedule.describe(i)}: the reload came at the {phase} of "
-                                       f"layer {layer}, but layer {i} {_STATE_WORDS[state]}")
-                self._reload_layer(i)
+                self._reload_layer(i, why)
 
     def _backward_started(self, iteration: int, layer: int) -> None:
         with self._lock:
-            if iteration != self.iteration:
-                return  # a graph kept from an older iteration: its views reload on demand
-            if isinstance(self.schedule, SyncDictSchedule) and self.schedule.is_offloaded(layer):
-                state = self.layer_state[layer]
-                if state != "reloading":
-                    raise RuntimeError(f"{self.schedule.describe(layer)}: the backward of layer {layer} "
-                                       f"started, but the layer {_STATE_WORDS[state]}")
+            if iteration != self.iteration or layer in self._backwards:
+                return  # a graph kept from an older iteration (its views reload on demand), or a second backward
+            if self.schedule.expects_reload(layer) and self.layer_state[layer] != LayerState.RELOADING:
+                raise RuntimeError(f"{self.schedule.describe(layer)}: the backward of layer {layer} started, "
+                                   f"but the layer {self.layer_state[layer].value}")
+            if not self._backward_seen:
+                self._check_iteration_shape()
             self._backward_seen = True
             self._backwards.add(layer)
             self.events.append(("backward", layer))
@@ -613,15 +625,31 @@ class OffloadEngine:
             self.resident_trace.append(("backward", layer, self.resident_bytes))
             self._note_phase("backward", layer, ready)
 
+    def _check_iteration_shape(self) -> None:
+        """At the first backward: warn (once) when the forward did not look like the schedule."""
+        n, entered = self.model_layers, self._entered
+        if not self.schedule.interleaved and entered != n:
+            self._warn_once("entries", f"the offload context was entered {entered} times before the backward, "
+                            f"but model_layers={n}: layers are offloaded and released by their position, so "
+                            "set model_layers to the number of layers run inside the context")
+        elif isinstance(self.schedule, DefaultSchedule) and self.schedule.num_layers and not any(
+                kind == "release" for kind, _ in self.events):
+            self._warn_once("no release", "no layer was released before the backward, so offloading saved no "
+                            "GPU memory in this iteration (check num_layers and model_layers)")
+
     # ------------------------------------------------------------------ autograd hooks
     def _pack(self, t: torch.Tensor) -> _Kept | _SavedView:
         layer = self._layer
         stats = self.stats[layer]
         stats.saved_tensors += 1
-        if self._keep(t):
+        reason = keep_reason(t, self.device, self.min_offload_bytes)
+        if reason == f"tensor subclass {type(t).__name__}":
+            self._warn_once("subclass", f"{reason} is not offloaded")
+        deferred = reason == NOT_FROM_AUTOGRAD
+        if reason is not None and not deferred:
             stats.kept_tensors += 1
             return _Kept(t, layer)
-        if self.schedule is not None and not self.schedule.is_offloaded(layer):
+        if not self.schedule.is_offloaded(layer):
             storage = t.untyped_storage()
             if storage.data_ptr() not in self._seen[layer]:  # counted for the theory only
                 self._seen[layer].add(storage.data_ptr())
@@ -629,34 +657,13 @@ class OffloadEngine:
             stats.kept_tensors += 1
             return _Kept(t, layer)
         with self._lock:
-            rec = self._record_for(t, layer)
-            if rec is None:
-                stats.kept_tensors += 1
-                return _Kept(t, layer)
-            if self.copy_on_save:
+            rec = self._record_for(t, layer, deferred)
+            if rec.host is not None:  # already copied out: this view rides along
                 stats.offloaded_tensors += 1
             self.live_views += 1
-            return _SavedView(rec, t)
+            return _SavedView(rec, t, weakref.ref(self))
 
-    def _keep(self, t: torch.Tensor) -> bool:
-        """Whether a saved tensor stays on the device (see the docs' caveats page)."""
-        if t.device != self.device or _is_weight_like(t):
-            return True
-        if getattr(t, _KEEP_ATTR, False) or (t._base is not None and getattr(t._base, _KEEP_ATTR, False)):
-            return True
-        if type(t) is not torch.Tensor:
-            self._warn_once("subclass", f"tensor subclass {type(t).__name__} is not offloaded")
-            return True
-        if t._base is not None and t._base.grad_fn is None:
-            # A view of data autograd did not produce (a batch cut into micro-batches, a buffer):
-            # its storage is owned outside the graph, so a copy would free nothing.
-            return True
-        if t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
-            return True
-        nbytes = t.untyped_storage().nbytes()
-        return nbytes == 0 or nbytes < self.min_offload_bytes
-
-    def _record_for(self, t: torch.Tensor, layer: int) -> _StorageRecord | None:
+    def _record_for(self, t: torch.Tensor, layer: int, deferred: bool) -> _StorageRecord:
         """The record of ``t``'s storage: found, or made (and, by default, copied out at once)."""
         storage = t.untyped_storage()
         known = self._by_storage[layer].get(storage.data_ptr())
@@ -664,23 +671,12 @@ class OffloadEngine:
             if known.version != t._version:
                 raise _in_place_error(layer)
             return known
-        rec = _StorageRecord(self, layer, t)
+        rec = _StorageRecord(self, layer, t, deferred)
         self.stats[layer].candidate_bytes += rec.nbytes
-        if self.copy_on_save:
-            try:
-                rec.copy_out()
-            except GraphCaptureError:
-                raise
-            except (HostMemoryLimitError, RuntimeError) as err:
-                self._warn_once("host", f"keeping saved tensors on the device: {err}")
-                self.stats[layer].candidate_bytes -= rec.nbytes  # counted again as kept below
-                self._seen[layer].add(storage.data_ptr())
-                return None
-            self.stats[layer].offloaded_storages += 1
-            self.stats[layer].offloaded_bytes += rec.nbytes
-            self.resident_bytes += rec.nbytes
         self._records[layer].append(rec)
         self._by_storage[layer][storage.data_ptr()] = rec
+        if self.schedule.copy_on_save and not deferred:
+            self._copy_out(rec)
         return rec
 
     def _unpack(self, view: _SavedView | _Kept) -> torch.Tensor:
@@ -689,30 +685,33 @@ class OffloadEngine:
         rec = view.record
         if rec.aborted:
             raise RuntimeError(
-                "this saved tensor belonged to a forward pass that raised an exception; "
-                "its memory was given back. Run the forward again before calling backward."
+                "this saved tensor belonged to a step that failed or was reset; its memory was given "
+                "back. Run the forward again before calling backward."
             )
-        rec.check_capture("used by backward")
+        rec.check_capture("used by backward", self.capturing())
         rec.check_version()
         if rec.device is None:
-            if isinstance(self.schedule, SyncDictSchedule) and rec.iteration == self.iteration:
-                raise RuntimeError(
-                    f"{self.schedule.describe(rec.layer)}: backward needs layer {rec.layer}'s saved tensors "
-                    "but their reload was never started (pass each layer's output through sync() so "
-                    "backward triggers are seen)"
-                )
-            self._warn_once(
-                "on_demand",
-                f"layer {rec.layer}'s saved tensors were reloaded on demand (no overlap): "
-                + ("call start_reload_layer() before its backward" if self.schedule is None else
-                   "pass each layer's output through sync() so reloads start ahead of time"),
-            )
-            with self._lock:
-                self._reload([rec])
-        self.streams.wait(self.streams.current(), rec.reloaded)  # only this tensor's copy
+            self._reload_on_demand(rec)
+        Streams.use(rec.device, rec.reloaded, self.streams.current())  # only this tensor's copy
         return torch.empty(0, dtype=view.dtype, device=self.device).set_(
             rec.device.untyped_storage(), view.offset, view.size, view.stride
         )
+
+    def _reload_on_demand(self, rec: _StorageRecord) -> None:
+        if self.schedule.expects_reload(rec.layer) and rec.iteration == self.iteration:
+            raise RuntimeError(
+                f"{self.schedule.describe(rec.layer)}: backward needs layer {rec.layer}'s saved tensors "
+                "but their reload was never started (pass each layer's output through sync() so "
+                "backward triggers are seen)"
+            )
+        self._warn_once(
+            "on_demand",
+            f"layer {rec.layer}'s saved tensors were reloaded on demand (no overlap): "
+            + ("call start_reload_layer() before its backward" if isinstance(self.schedule, ManualSchedule) else
+               "pass each layer's output through sync() so reloads start ahead of time"),
+        )
+        with self._lock:
+            self._reload([rec])
 
     def _view_dropped(self, rec: _StorageRecord) -> None:
         with self._lock:
@@ -722,12 +721,13 @@ class OffloadEngine:
             if rec.views == 0 and not rec.aborted:
                 if rec.device is not None and rec.host is not None and rec.iteration == self.iteration:
                     self.resident_bytes -= rec.nbytes
-                rec.free()
+                rec.free(self.capturing())
 
-    def _mark(self):
+    # ------------------------------------------------------------------ observers (no effect on copies)
+    def _mark(self) -> Any:
         return self.recorder.mark(self.streams.current()) if self.recorder else None
 
-    def _note_phase(self, phase: str, layer: int, ready) -> None:
+    def _note_phase(self, phase: str, layer: int, ready: Any) -> None:
         """Log a phase that has started (its actions queued) for the memory and timing read-outs."""
         if self.record_memory and self.streams.is_cuda:
             self.memory_trace.append((phase, layer, torch.cuda.memory_allocated(self.device)))
@@ -743,63 +743,12 @@ class OffloadEngine:
 def _no_buffer_error(layer: int, captured: bool, err: NoFreeBufferError) -> GraphCaptureError:
     if captured:
         why = ("the engine does not pin host memory during a CUDA graph capture (it fails on many PyTorch "
-               "releases). Run at least one eager step with the same shapes before capturing, so the pool "
-               "holds every buffer")
+               "releases). Run at least one eager step with the same shapes before capturing, with "
+               "retain_pinned_cpu_buffers=True or after freeze_host_buffers(), so the pool keeps every buffer")
     else:
         why = ("the host buffers were frozen (freeze_host_buffers), so a step may only use buffers that "
                "earlier steps made; this step saves a tensor of a size they did not")
     return GraphCaptureError(f"layer {layer}: {err}: {why}")
-
-
-_STATE_WORDS = {
-    "not run": "has not run its forward in this iteration",
-    "running": "is still running its forward",
-    "saved": "has not started its offload",
-    "offloading": "has not been released (its release trigger has not come)",
-    "released": "has not started its reload (its reload trigger has not come)",
-    "reloading": "has already started its reload",
-}
-
-
-class OffloadSynchronizer:
-    """Manual control of when each layer is offloaded, released and reloaded.
-
-    Call-compatible with Transformer Engine's ``ManualOffloadSynchronizer``. A layer is one
-    entry of the context in the current iteration; a layer never touched stays on the GPU.
-    Backward waits for each reloaded tensor's own copy. Calls out of order raise at once.
-    """
-
-    def __init__(self, engine: OffloadEngine):
-        self._engine = weakref.proxy(engine)
-
-    def start_offload_layer(self, layer_id: int) -> None:
-        """Queue layer ``layer_id``'s device-to-host copies (its forward must have ended)."""
-        e = self._check(layer_id, "start_offload_layer", {"saved"})
-        e._start_offload(layer_id)
-
-    def release_activation_forward_gpu_memory(self, layer_id: int) -> None:
-        """Make the compute stream wait for the layer's copies, then drop its GPU memory."""
-        e = self._check(layer_id, "release_activation_forward_gpu_memory", {"offloading"})
-        e._release(layer_id)
-
-    def start_reload_layer(self, layer_id: int) -> None:
-        """Queue layer ``layer_id``'s host-to-device copies (it must have been released)."""
-        e = self._check(layer_id, "start_reload_layer", {"released"})
-        e._reload_layer(layer_id)
-
-    def _check(self, layer_id: int, what: str, allowed: set[str]) -> OffloadEngine:
-        e = self._engine
-        if e.schedule is not None and not isinstance(e.schedule, SyncDictSchedule):
-            raise RuntimeError(f"{what}: this context follows {type(e.schedule).__name__}; "
-                               "build it with manual_synchronization=True to drive it by hand")
-        n = e.model_layers
-        if not isinstance(layer_id, int) or isinstance(layer_id, bool) or not 0 <= layer_id < n:
-            raise IndexError(f"{what}({layer_id!r}): layer index out of range [0, {n - 1}] (model_layers={n})")
-        with e._lock:
-            state = e.layer_state[layer_id]
-            if state not in allowed:
-                raise RuntimeError(f"{what}({layer_id}): layer {layer_id} {_STATE_WORDS[state]}")
-        return e
 
 
 def _grad_hook(engine_ref: weakref.ref, iteration: int, layer: int, grad: torch.Tensor) -> None:

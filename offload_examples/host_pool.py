@@ -69,9 +69,9 @@ class HostBufferPool:
     pin_memory:
         Allocate page-locked memory (needed for asynchronous device-to-host copies).
     retain:
-        Keep the buffers used in the last iteration for the next one. When ``False`` every
-        free buffer is dropped at the end of an iteration (PyTorch's own pinned-memory cache
-        may still recycle them).
+        Keep returned buffers in the free lists for the next iteration (buffers not used in an
+        iteration are dropped at its end). When ``False`` a returned buffer goes straight back to
+        PyTorch's pinned-memory cache, where the next step or another context finds it.
     limit_bytes:
         Optional cap on the host bytes the pool may hold at once; ``None`` for no cap.
     """
@@ -130,13 +130,21 @@ class HostBufferPool:
         return HostBuffer(data)
 
     def give_back(self, buf: HostBuffer, ready: torch.cuda.Event | None) -> None:
-        """Return a buffer; ``ready`` is the event of the last copy that touched it."""
+        """Return a buffer; ``ready`` is the event of the last copy that touched it.
+
+        A pool that neither retains nor is frozen lets the buffer go at once, to PyTorch's
+        pinned-memory cache: that cache waits for the copies queued on the memory by itself, and
+        any other offload context in the process (or the next step) takes the memory from there
+        instead of pinning afresh.
+        """
         buf.ready = ready
         with self._lock:
             if buf.for_graph:  # a captured graph copies into it on every replay
                 self._kept_for_graphs.append(buf)
-            else:
+            elif self.retain or self.frozen:
                 self._free[buf.nbytes].append(buf)
+            else:
+                self.held_bytes -= buf.nbytes
 
     def end_iteration(self, keep_free: bool = False) -> None:
         """Drop free buffers that the iteration just ended did not use (all, unless retaining).

@@ -329,7 +329,7 @@ class OptimizerOffload(torch.optim.Optimizer):
         s = self.streams
         compute = s.current()
         # Everything queued so far: the backward and whatever the caller did to the gradients.
-        backward_done = s.record(compute)
+        backward_done = Streams.now(compute)
         if self.gpu_optimizer is not None:
             if inv_scale is not None:
                 on_device = inv_scale.to(self.device)
@@ -342,14 +342,13 @@ class OptimizerOffload(torch.optim.Optimizer):
         # before this point may still read them. The device optimizer's step, queued since, never
         # touches these parameters, so waiting for the event (not the whole compute stream) lets
         # the copies overlap with it.
-        s.wait(s.h2d, backward_done)
         last = None
         for slot in self._update_order():
             self._update(slot, backward_done, inv_scale, recopy)
             last = slot.written
         # The next forward reads the parameters on the compute stream. The host-to-device stream
         # runs the copies in order, so its last event covers them all. A device-side wait only.
-        s.wait(compute, last)
+        Streams.fence(compute, last)
         with self._lock:
             self._arrived.clear()
         return loss
@@ -407,9 +406,7 @@ class OptimizerOffload(torch.optim.Optimizer):
             slot.optimizer.step()
         finally:
             slot.master.grad = None  # a later step without a gradient must skip the parameter
-        with s.on(s.h2d), torch.no_grad():
-            p.detach().copy_(slot.master, non_blocking=True)
-        slot.written = s.record(s.h2d)
+        slot.written = s.copy(p.detach(), slot.master, on=s.h2d, after=backward_done, lane="host-to-device")
         slot.version = p._version  # the copy above bumped it; later changes are the caller's
 
     def _copy_grad(self, slot: _HostSlot, after: torch.cuda.Event | None = None) -> None:
@@ -425,18 +422,11 @@ class OptimizerOffload(torch.optim.Optimizer):
                 "OptimizerOffload supports dense gradients only"
             )
         s = self.streams
-        if after is None:
-            s.wait_stream(s.d2h, s.current())
-        else:
-            s.wait(s.d2h, after)
         # No wait for the CPU's last read of the buffer: the CPU step that read it was synchronous.
-        with s.on(s.d2h), torch.no_grad():
-            slot.grad.copy_(grad, non_blocking=True)
-        if s.d2h is not None:
-            # If the gradient is freed (zero_grad) before the copy has read it, the caching
-            # allocator must not hand its memory to the compute stream until the copy is done.
-            grad.record_stream(s.d2h)
-        slot.copied = s.record(s.d2h)
+        # If the gradient is freed (zero_grad) before the copy has read it, the allocator must not
+        # hand its memory to the compute stream until the copy is done: src_owned_elsewhere.
+        slot.copied = s.copy(slot.grad, grad, on=s.d2h, after=s.current() if after is None else after,
+                             lane="device-to-host", src_owned_elsewhere=True)
         slot.copied_from = weakref.ref(grad)
         slot.copied_version = grad._version
         with self._lock:

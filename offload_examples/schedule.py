@@ -15,6 +15,7 @@ from typing import Literal, Mapping, Sequence
 __all__ = [
     "Action",
     "DefaultSchedule",
+    "ManualSchedule",
     "Phase",
     "RecordedSchedule",
     "ResidentTrace",
@@ -54,6 +55,10 @@ class DefaultSchedule:
 
     #: Each iteration is N forwards then N backwards, so the first backward ends the forwards.
     interleaved = False
+    #: Copy each tensor out as soon as it is saved (the layer is known to be offloaded).
+    copy_on_save = True
+    #: Queue the copies still pending (tensors decided at the end of the layer) when the forward ends.
+    offload_at_exit = True
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "model_layers"):
@@ -72,6 +77,18 @@ class DefaultSchedule:
     def is_offloaded(self, layer: int) -> bool:
         """Whether the saved tensors of ``layer`` are copied to host memory."""
         return 0 <= layer < self.num_layers
+
+    def expects_reload(self, layer: int) -> bool:
+        """Whether the backward of ``layer`` must find its reload started (never: it reloads on demand)."""
+        return False
+
+    def describe(self, layer: int) -> str:
+        return f"layer {layer} (the first {self.num_layers} of model_layers={self.model_layers} are offloaded)"
+
+    def predict(self, offloaded_bytes: Sequence[int], kept_bytes: Sequence[int],
+                events: Sequence[tuple[str, int]]) -> ResidentTrace:
+        """The engine's theory for one iteration (``events``: what the engine did; unused here)."""
+        return self.simulate(offloaded_bytes, kept_bytes)
 
     def actions(self, phase: Phase, layer: int) -> list[Action]:
         """What to do when ``phase`` of ``layer`` starts, in order."""
@@ -191,6 +208,8 @@ class SyncDictSchedule:
 
     #: Forwards and backwards may interleave: an iteration ends after ``N`` forwards.
     interleaved = True
+    copy_on_save = False
+    offload_at_exit = True
 
     def __post_init__(self) -> None:
         n = self.model_layers
@@ -206,6 +225,16 @@ class SyncDictSchedule:
 
     def is_offloaded(self, layer: int) -> bool:
         return layer in self.sync_dict
+
+    def expects_reload(self, layer: int) -> bool:
+        """An offloaded layer's backward must come after its reload trigger."""
+        return layer in self.sync_dict
+
+    def predict(self, offloaded_bytes: Sequence[int], kept_bytes: Sequence[int],
+                events: Sequence[tuple[str, int]]) -> ResidentTrace:
+        """Walk the schedule's order, or, without one, the order the phases ran in."""
+        order = self.order or [(kind, j) for kind, j in events if kind in ("forward", "backward")]
+        return self.simulate(offloaded_bytes, kept_bytes, order)
 
     def actions(self, phase: Phase, layer: int) -> list[Action]:
         """Releases then reloads triggered when ``phase`` of ``layer`` starts."""
@@ -271,6 +300,40 @@ class RecordedSchedule:
 
     def simulate(self, offloaded_bytes: Sequence[int], kept_bytes: Sequence[int] | None = None) -> ResidentTrace:
         return simulate_resident(self, offloaded_bytes, kept_bytes)
+
+
+@dataclass(frozen=True)
+class ManualSchedule:
+    """Manual synchronization: every layer's saved tensors are recorded, and nothing happens to
+    them until the :class:`~offload_examples.OffloadSynchronizer`'s methods are called."""
+
+    model_layers: int
+
+    interleaved = True
+    copy_on_save = False
+    offload_at_exit = False
+
+    def __post_init__(self) -> None:
+        n = self.model_layers
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"model_layers must be an int >= 1, got {n!r}")
+
+    def is_offloaded(self, layer: int) -> bool:
+        return True  # it may be: the caller decides, call by call
+
+    def expects_reload(self, layer: int) -> bool:
+        return False
+
+    def actions(self, phase: Phase, layer: int) -> list[Action]:
+        return []
+
+    def describe(self, layer: int) -> str:
+        return f"layer {layer} (manual synchronization, model_layers={self.model_layers})"
+
+    def predict(self, offloaded_bytes: Sequence[int], kept_bytes: Sequence[int],
+                events: Sequence[tuple[str, int]]) -> ResidentTrace:
+        """Walk the releases and reloads as they were called."""
+        return RecordedSchedule.from_events(events, self.model_layers).simulate(offloaded_bytes, kept_bytes)
 
 
 def _check_entry(i: object, entry: object, n: int) -> None:

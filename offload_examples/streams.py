@@ -1,23 +1,46 @@
-"""The three streams the engine works on, and no-op stand-ins when there is no GPU.
+"""The streams the engine works on, and the one way a copy crosses between them.
 
 Compute runs on the caller's current stream. Device-to-host copies get their own stream so they
 overlap with the forward; host-to-device copies get another so that, in the backward, a reload
-never queues behind an offload (and both directions of PCIe are used at once). Ordering between
-streams is expressed with CUDA events only: a stream *waits on an event* on the device, the host
-never blocks.
+never queues behind an offload (and both directions of PCIe are used at once).
 
-On the CPU every method below does nothing and copies run synchronously, so the engine executes
+Every copy between device and host memory in this package goes through :meth:`Streams.copy`,
+and every use of its result on another stream through :meth:`Streams.use`. Together they keep
+the three rules that make cross-stream copies safe with PyTorch's caching allocator:
+
+1. **Wait for the producer.** The copy stream waits (on the device) for the stream or event
+   that wrote the source, so the copy reads finished data.
+2. **Record the end.** An event marks the end of the copy; a consumer waits for that event, not
+   for the whole stream, so it never waits for unrelated copies.
+3. **Mark every stream that touches a block.** The allocator hands a freed block back to the
+   stream that allocated it (its *home*) without looking at other streams. So before the owner
+   drops a device tensor, its home stream must have waited for every copy that read or wrote
+   it (:meth:`Streams.fence`), and a consumer on any stream other than the home marks its use
+   (``record_stream``), so the block is not reused while that stream may still read it.
+
+On the CPU every wait and event is a no-op and copies run synchronously, so the engine executes
 the same lines with or without a GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Protocol, Union
 
 import torch
 
-__all__ = ["Streams"]
+__all__ = ["CopyObserver", "Streams"]
+
+#: What a copy can be ordered after: all work queued on a stream so far, or one event.
+After = Union[torch.cuda.Stream, torch.cuda.Event, None]
+
+
+class CopyObserver(Protocol):
+    """Receives timing marks around copies (see :class:`offload_examples.timeline.StepRecorder`)."""
+
+    def mark(self, stream: torch.cuda.Stream | None) -> object: ...
+
+    def add_copy(self, lane: str, layer: int, start: object, end: object, nbytes: int) -> None: ...
 
 
 class Streams:
@@ -42,6 +65,8 @@ class Streams:
             self.h2d = torch.cuda.Stream(device)
         else:
             self.d2h = self.h2d = None
+        #: Set to time every copy (the timeline's recorder); ``None`` costs nothing.
+        self.observer: CopyObserver | None = None
 
     def current(self) -> torch.cuda.Stream | None:
         """The compute stream: whatever stream the caller is running on now."""
@@ -49,30 +74,66 @@ class Streams:
 
     @contextlib.contextmanager
     def on(self, stream: torch.cuda.Stream | None) -> Iterator[None]:
-        """Make ``stream`` current for the copies issued inside the block."""
+        """Make ``stream`` current inside the block (allocations there belong to it)."""
         if stream is None:
             yield
         else:
             with torch.cuda.stream(stream):
                 yield
 
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, on: torch.cuda.Stream | None,
+             after: After | tuple[After, ...], lane: str = "", layer: int = -1,
+             src_owned_elsewhere: bool = False) -> torch.cuda.Event | None:
+        """Copy ``src`` into ``dst`` on stream ``on`` once ``after`` is done; return the copy's end event.
+
+        ``after`` names what wrote ``src`` and what may still use ``dst``: streams (all their
+        work queued so far) or events. The caller keeps both tensors alive until the returned
+        event has been waited for by the stream that frees them (:meth:`fence`). When the caller
+        cannot promise that for ``src`` (``src_owned_elsewhere``: a gradient the user may free
+        with ``zero_grad``), the copy stream's use of it is marked on the allocator instead.
+        """
+        if on is not None:
+            for producer in after if isinstance(after, tuple) else (after,):
+                if isinstance(producer, torch.cuda.Event):
+                    on.wait_event(producer)
+                elif producer is not None and producer != on:
+                    on.wait_stream(producer)
+        observer = self.observer
+        start = observer.mark(on) if observer else None  # after the waits: when the copy can begin
+        with self.on(on), torch.no_grad():
+            dst.copy_(src, non_blocking=on is not None)
+        if src_owned_elsewhere and on is not None and src.is_cuda:
+            src.record_stream(on)
+        done = on.record_event() if on is not None else None
+        if observer:
+            observer.add_copy(lane, layer, start, observer.mark(on), dst.numel() * dst.element_size())
+        return done
+
     @staticmethod
-    def record(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
-        """An event marking everything queued on ``stream`` so far."""
+    def use(tensor: torch.Tensor, ready: torch.cuda.Event | None, stream: torch.cuda.Stream | None) -> None:
+        """Let ``stream`` read ``tensor`` once the copy that filled it (``ready``) is done.
+
+        ``record_stream`` does nothing when ``stream`` is the tensor's home; on any other stream
+        it keeps the allocator from reusing the block until that stream's work is done.
+        """
         if stream is None:
-            return None
-        event = torch.cuda.Event()
-        event.record(stream)
-        return event
+            return
+        if ready is not None:
+            stream.wait_event(ready)
+        if tensor.is_cuda:
+            tensor.record_stream(stream)
 
     @staticmethod
-    def wait(stream: torch.cuda.Stream | None, event: torch.cuda.Event | None) -> None:
-        """Make ``stream`` wait (on the device) until ``event`` has completed."""
-        if stream is not None and event is not None:
-            stream.wait_event(event)
+    def fence(stream: torch.cuda.Stream | None, *copies: torch.cuda.Event | None) -> None:
+        """Make ``stream`` wait (on the device) for ``copies``: before it drops memory it allocated
+        that they read or wrote, or before it reads what they wrote."""
+        if stream is None:
+            return
+        for event in copies:
+            if event is not None:
+                stream.wait_event(event)
 
     @staticmethod
-    def wait_stream(stream: torch.cuda.Stream | None, other: torch.cuda.Stream | None) -> None:
-        """Make ``stream`` wait for all work queued on ``other`` so far."""
-        if stream is not None and other is not None and stream != other:
-            stream.wait_stream(other)
+    def now(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+        """An event marking everything queued on ``stream`` so far (``None`` on the CPU)."""
+        return stream.record_event() if stream is not None else None

@@ -157,17 +157,16 @@ class StreamedLayers(nn.Module):
         s = self.streams
         flat = torch.empty(self._layouts[i].nbytes, dtype=torch.uint8, device=self.device)  # on compute
         self._count(flat.numel())
-        s.wait_stream(s.h2d, s.current())  # the memory may still be in use by queued compute work
-        with s.on(s.h2d), torch.no_grad():
-            flat.copy_(self._host[i].data, non_blocking=True)
-        self._loaded[i] = (flat, s.record(s.h2d))
+        # after the compute stream's queued work: the new block may be memory it used until now
+        loaded = s.copy(flat, self._host[i].data, on=s.h2d, after=s.current(), lane="host-to-device", layer=i)
+        self._loaded[i] = (flat, loaded)
         self.events.append(("load", i))
 
     def _use(self, i: int) -> None:
         """Point layer ``i``'s parameters at its GPU copy, once the compute stream has waited for it."""
         self._load(i)  # a layer run out of order is loaded on demand
         flat, loaded = self._loaded[i]
-        self.streams.wait(self.streams.current(), loaded)
+        Streams.use(flat, loaded, self.streams.current())
         for p, view in self._layouts[i].views(flat):
             p.data = view
 
@@ -200,16 +199,14 @@ class StreamedLayers(nn.Module):
         s = self.streams
         flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device)  # on compute
         self._count(flat.numel())
-        s.wait_stream(s.h2d, s.current())  # the memory may still be in use by queued compute work
-        with s.on(s.h2d), torch.no_grad():
-            flat.copy_(self._grads[i].data, non_blocking=True)
+        loaded = s.copy(flat, self._grads[i].data, on=s.h2d, after=s.current(), lane="host-to-device", layer=i)
         self.events.append(("load grads", i))
-        return flat, s.record(s.h2d), {id(p) for p in had}
+        return flat, loaded, {id(p) for p in had}
 
     def _add_earlier_grads(self, i: int, grads: list[torch.Tensor | None], earlier) -> None:
         """Add the loaded earlier gradients into the new ones, on the compute stream, then drop them."""
         flat, loaded, had = earlier
-        self.streams.wait(self.streams.current(), loaded)
+        Streams.use(flat, loaded, self.streams.current())
         with torch.no_grad():
             for (p, old), g in zip(self._layouts[i].views(flat), grads):
                 if g is not None and id(p) in had:
@@ -219,16 +216,16 @@ class StreamedLayers(nn.Module):
     def _write_back(self, i: int, grads: list[torch.Tensor | None]) -> None:
         """Step 5: queue the device-to-host copy of layer ``i``'s gradients into its host buffer."""
         s = self.streams
-        s.wait_stream(s.d2h, s.current())  # the gradients were just computed on the compute stream
         host = dict(self._layouts[i].views(self._grads[i].data))
-        kept = []
-        with s.on(s.d2h), torch.no_grad():
-            for p, g in zip(self._layouts[i].params, grads):
-                if g is None:  # the parameter did not take part: like autograd, leave .grad unset
-                    continue
-                host[p].copy_(g, non_blocking=True)
-                kept.append(g)
-        self._writing[i] = (kept, s.record(s.d2h))
+        kept, written = [], None
+        for p, g in zip(self._layouts[i].params, grads):
+            if g is None:  # the parameter did not take part: like autograd, leave .grad unset
+                continue
+            # the first copy waits for the compute stream, which just computed the gradients
+            written = s.copy(host[p], g, on=s.d2h, after=s.current() if not kept else None,
+                             lane="device-to-host", layer=i)
+            kept.append(g)
+        self._writing[i] = (kept, written)
         self.events.append(("write", i))
         for p, g in zip(self._layouts[i].params, grads):
             if g is not None:
@@ -242,14 +239,14 @@ class StreamedLayers(nn.Module):
         """
         for i in [j for j in self._writing if j != keep]:
             grads, written = self._writing.pop(i)
-            self.streams.wait(self.streams.current(), written)
+            Streams.fence(self.streams.current(), written)
             self.device_bytes -= sum(g.numel() * g.element_size() for g in grads)
             self.events.append(("free", i))
 
     def _drop_loaded(self) -> None:
         """Drop every loaded layer, after the compute stream has waited for its load to finish."""
         for i in list(self._loaded):
-            self.streams.wait(self.streams.current(), self._loaded[i][1])
+            Streams.fence(self.streams.current(), self._loaded[i][1])
             self._unuse(i)
 
     def _release_all(self) -> None:
@@ -306,7 +303,7 @@ class StreamedLayers(nn.Module):
             self._count(sum(g.numel() * g.element_size() for g in grad_params if g is not None))
         except BaseException:
             if earlier is not None:  # its copy may still be writing: the compute stream waits before freeing
-                self.streams.wait(self.streams.current(), earlier[1])
+                Streams.fence(self.streams.current(), earlier[1])
                 self.device_bytes -= earlier[0].numel()
             raise
         finally:

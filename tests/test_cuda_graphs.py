@@ -30,7 +30,8 @@ def free_buffer_ids(pool: HostBufferPool) -> set[int]:
 
 def test_graph_safe_path_reuses_fixed_buffers_and_gives_bitwise_gradients():
     model = build_basic_model(4, 32, 4, 64, kind="torch")
-    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=2, model_layers=4, device="cpu")
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=2, model_layers=4, device="cpu",
+                                        retain_pinned_cpu_buffers=True)
     warm = torch.randn(2, 8, 32, requires_grad=True)
     measure_steps(model, warm, ctx, sync, steps=1, warmup=0)  # the warm-up step makes the buffers
     ctx.freeze_host_buffers()
@@ -47,7 +48,8 @@ def test_graph_safe_path_reuses_fixed_buffers_and_gives_bitwise_gradients():
 
 def test_graph_safe_path_refuses_a_step_that_needs_new_buffers_and_recovers():
     model = build_linear_stack(3, 16)
-    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=2, model_layers=3, device="cpu")
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=2, model_layers=3, device="cpu",
+                                        retain_pinned_cpu_buffers=True)
     measure_steps(model, torch.randn(4, 16, requires_grad=True), ctx, sync, steps=1, warmup=0)
     ctx.freeze_host_buffers()
     bigger = torch.randn(8, 16, requires_grad=True)  # saves tensors of sizes no buffer has
@@ -60,7 +62,7 @@ def test_graph_safe_path_refuses_a_step_that_needs_new_buffers_and_recovers():
 
 
 def test_pool_keeps_buffers_lent_to_a_graph_out_of_circulation():
-    pool = HostBufferPool(pin_memory=False, retain=False)
+    pool = HostBufferPool(pin_memory=False, retain=True)
     eager = pool.acquire(64)
     pool.give_back(eager, None)
     graphed = pool.acquire(64, for_graph=True)  # reuses the free one, which the graph now owns

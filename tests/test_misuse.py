@@ -50,7 +50,6 @@ def test_bad_layer_counts(k, n, error, match):
     [
         (dict(min_offload_bytes=-1), ValueError, "min_offload_bytes"),
         (dict(host_memory_limit=-5), ValueError, "host memory limit"),
-        (dict(offload_weights=True), NotImplementedError, "offload_weights"),
         (dict(offload_activations=False), ValueError, "nothing to offload"),
         (dict(manual_synchronization=True, synchronization_dict={}), ValueError, "not both"),
         (dict(offload_stream=object()), ValueError, "offload_stream"),
@@ -99,8 +98,14 @@ def test_nested_context():
 def test_entering_more_than_model_layers_times():
     model, x = build_linear_stack(3, 16), data()
     ctx, sync = offload(1, 2)
-    with pytest.raises(RuntimeError, match="more than model_layers=2 times"):
-        training_step(model, x, ctx, sync)
+    expected = training_step(model, x)
+    # The third entry starts the next iteration (as after a forward whose backward was skipped);
+    # the backward then finds one entry where the schedule expects two, and says so.
+    with pytest.warns(OffloadWarning) as caught:
+        got = training_step(model, x, ctx, sync)
+    messages = [str(w.message) for w in caught]
+    assert any("entered 1 times before the backward, but model_layers=2" in m for m in messages), messages
+    assert torch.equal(expected, got)
 
 
 def test_retain_graph_then_second_backward():
@@ -142,7 +147,7 @@ def test_exception_in_a_layer_frees_everything_and_recovers():
             h = sync(h)
     assert all(not rec.host and rec.device is None for rs in ctx._records for rec in rs)  # new iteration
     assert ctx.pool.held_bytes == ctx.pool.free_bytes  # every buffer came back
-    with pytest.raises(RuntimeError, match="forward pass that raised"):
+    with pytest.raises(RuntimeError, match="step that failed or was reset"):
         h.sum().backward()  # the stale graph says why it cannot run
     model.zero_grad(set_to_none=True)
     x.grad = None

@@ -1,0 +1,101 @@
+"""Which saved tensors the engine offloads: all of them, except where a copy would free nothing.
+
+A tensor saved for backward is worth copying to the host only if dropping the engine's reference
+gives its GPU memory back. That is not so for
+
+- parameters, leaves that require grad, their views, and autocast's casts of them (the model or
+  autocast's cache holds them anyway);
+- tensors marked with :func:`mark_not_offload`, on another device, or too small to pay for a copy;
+- tensor subclasses, sparse, quantized, conjugated or negated views (kept, with a warning for
+  subclasses);
+- data that something outside the saved-tensor graph still holds: a micro-batch cut from a batch
+  the caller keeps, a buffer a module caches.
+
+The last kind cannot be recognised from autograd's metadata alone: inside a custom
+``autograd.Function.forward`` (Transformer Engine's modules, fused kernels) *every* intermediate
+looks like caller data (no ``grad_fn``, no ``requires_grad``). So such tensors are
+:data:`NOT_FROM_AUTOGRAD`: the engine postpones their copy to the end of the layer's forward
+and then asks the storage itself how many references it has (:func:`held_elsewhere`). An
+intermediate of a finished ``forward`` is referenced only by what autograd saved; caller data
+has one more holder, and stays.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["NOT_FROM_AUTOGRAD", "held_elsewhere", "is_weight_like", "keep_reason", "mark_not_offload"]
+
+_KEEP_ATTR = "_offload_examples_keep"
+#: :func:`keep_reason`'s answer for tensors decided at the end of the layer (see the module docstring).
+NOT_FROM_AUTOGRAD = "not made by autograd: decided at the end of the layer"
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def mark_not_offload(*tensors: torch.Tensor) -> None:
+    """Keep these tensors on the device even when they are saved inside an offloaded layer.
+
+    Use it for tensors that stay alive anyway (a cache the caller holds), where copying them
+    out would cost bandwidth and save no memory.
+    """
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"mark_not_offload expects tensors, got {type(t).__name__}")
+        setattr(t, _KEEP_ATTR, True)
+
+
+def _is_leaf_weight(x: torch.Tensor) -> bool:
+    return isinstance(x, torch.nn.Parameter) or (x.requires_grad and x.grad_fn is None and x._base is None)
+
+
+def is_weight_like(t: torch.Tensor) -> bool:
+    """Parameters, leaves that require grad, their views, and autocast's casts of them."""
+    if t._base is not None:
+        # A view is judged by its base: views made inside a custom Function's forward carry
+        # requires_grad without a grad_fn, yet their base is an activation.
+        return _is_leaf_weight(t._base)
+    if _is_leaf_weight(t):
+        return True
+    fn = t.grad_fn
+    if fn is None:
+        return False
+    # autocast saves `weight.to(bf16)`: one input, an AccumulateGrad node (it carries `.variable`),
+    # same shape, another dtype.
+    inputs = [f for f, _ in fn.next_functions if f is not None]
+    if len(inputs) != 1 or not hasattr(inputs[0], "variable"):
+        return False
+    leaf = inputs[0].variable
+    return leaf.shape == t.shape and leaf.dtype != t.dtype
+
+
+def keep_reason(t: torch.Tensor, device: torch.device, min_bytes: int) -> str | None:
+    """Why ``t`` stays on the device, :data:`NOT_FROM_AUTOGRAD`, or ``None`` to offload it."""
+    if t.device != device:
+        return "on another device"
+    if getattr(t, _KEEP_ATTR, False) or (t._base is not None and getattr(t._base, _KEEP_ATTR, False)):
+        return "marked with mark_not_offload"
+    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        return f"tensor subclass {type(t).__name__}"
+    if is_weight_like(t):
+        return "a parameter, a leaf that requires grad, or a view or cast of one"
+    if t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
+        return "not a plain strided tensor"
+    nbytes = t.untyped_storage().nbytes()
+    if nbytes == 0 or nbytes < min_bytes:
+        return "smaller than min_offload_bytes"
+    root = t._base if t._base is not None else t
+    if root.grad_fn is None and not root.requires_grad:
+        return NOT_FROM_AUTOGRAD
+    return None
+
+
+def held_elsewhere(storage_view: torch.Tensor, ours: int) -> bool:
+    """Whether anything but the engine's ``ours`` tensors still references ``storage_view``'s storage.
+
+    Uses the storage's reference count (each tensor on it holds one). On a PyTorch without
+    that read-out, answers ``False``: the tensor is offloaded, as before the check existed.
+    """
+    if _use_count is None:
+        return False
+    storage = storage_view.untyped_storage()  # this Python object holds one reference too
+    return _use_count(storage._cdata) > ours + 1
