@@ -5,6 +5,8 @@ Each test states what it tried; the docs' reliability page summarises them.
 
 from __future__ import annotations
 
+import gc
+import os
 import warnings
 
 import pytest
@@ -48,41 +50,82 @@ def engine_is_idle(ctx) -> bool:
 
 
 # ---------------------------------------------------------------- soak
-def soak(device: torch.device, steps: int) -> dict:
-    model, x = build_linear_stack(4, 64, device=device), data(8, 64, device=device)
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux), pinned host buffers included."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def soak(device: torch.device, steps: int, width: int = 256) -> dict:
+    """``steps`` training steps with the garbage collector off: memory that only a collection
+    would give back (a reference cycle) shows up as drift, and fails the test. Every seventh step
+    is a forward whose output is dropped without a backward (a skipped step), through layers
+    ending in ``tanh``, which saves its own output (the case that once formed a cycle)."""
+    stack = build_linear_stack(4, width, device=device)
+    model, x = nn.ModuleList(nn.Sequential(*layer, nn.Tanh()) for layer in stack), data(16, width, device=device)
     training_step(model, x)
     expected = grads(model, x)
     ctx, sync = offload(2, 4, device, retain_pinned_cpu_buffers=True)
     training_step(model, x, ctx, sync)  # warm-up: the pool allocates here
     grads(model, x)
     cuda = device.type == "cuda"
+    gc.collect()  # garbage of earlier tests must not be counted as this run's
     if cuda:
         torch.cuda.synchronize()
     base = torch.cuda.memory_allocated(device) if cuda else None
     pool = (ctx.pool.held_bytes, ctx.pool.allocations)
-    drift = []
-    for step in range(steps):
-        training_step(model, x, ctx, sync)
-        if step == steps - 1:  # the last step's gradients against the run without offloading
-            assert same(expected, grads(model, x)), "gradients of the last step differ"
-        model.zero_grad(set_to_none=True)
-        x.grad = None
-        assert engine_is_idle(ctx), f"step {step}: the engine still holds something"
-        assert (ctx.pool.held_bytes, ctx.pool.allocations) == pool, f"step {step}: the pinned pool grew"
-        if cuda:
-            torch.cuda.synchronize()
-            drift.append(torch.cuda.memory_allocated(device) - base)
-    return {"pool_bytes": pool[0], "drift": drift}
+    drift, rss = [], []
+    gc.disable()
+    try:
+        for step in range(steps):
+            if step % 7 == 3:
+                forward_only(model, x, ctx, sync)
+                assert ctx.live_views == 0, f"step {step}: a dropped forward left saved tensors alive"
+                if cuda:
+                    torch.cuda.synchronize()
+                    drift.append(torch.cuda.memory_allocated(device) - base)
+            training_step(model, x, ctx, sync)
+            if step == steps - 1:  # the last step's gradients against the run without offloading
+                assert same(expected, grads(model, x)), "gradients of the last step differ"
+            model.zero_grad(set_to_none=True)
+            x.grad = None
+            assert engine_is_idle(ctx), f"step {step}: the engine still holds something"
+            assert (ctx.pool.held_bytes, ctx.pool.allocations) == pool, f"step {step}: the pinned pool grew"
+            if cuda:
+                torch.cuda.synchronize()
+                drift.append(torch.cuda.memory_allocated(device) - base)
+            if step % 100 == 99:
+                rss.append(rss_bytes())
+    finally:
+        gc.enable()
+    return {"pool_bytes": pool[0], "offloaded_bytes": ctx.offloaded_bytes, "drift": drift, "rss": rss}
+
+
+def forward_only(model: nn.Module, x: torch.Tensor, ctx, sync) -> None:
+    h = x
+    for layer in model:
+        with ctx:
+            h = layer(h)
+        h = sync(h)
+    del h  # dropped without a backward: every saved tensor must be freed now, not by the collector
+
+
+def check_soak(report: dict, steps: int) -> None:
+    assert report["pool_bytes"] > 0 and report["offloaded_bytes"] > 0
+    # Leaking one step's offloaded bytes every 10 steps would grow the process by this much.
+    leak = (steps - 100) // 10 * report["offloaded_bytes"]
+    growth = report["rss"][-1] - report["rss"][0]
+    assert growth < leak, f"host memory grew by {growth} bytes over {steps - 100} steps (a leak would add {leak})"
 
 
 def test_soak_cpu():
-    report = soak(CPU, SOAK_STEPS)
-    assert report["pool_bytes"] > 0
+    check_soak(soak(CPU, SOAK_STEPS), SOAK_STEPS)
 
 
 @pytest.mark.gpu
 def test_soak_gpu(cuda):
-    report = soak(cuda, SOAK_STEPS)
+    report = soak(cuda, SOAK_STEPS, width=1024)
+    check_soak(report, SOAK_STEPS)
     assert max(map(abs, report["drift"])) == 0, "GPU memory did not return to its baseline after every step"
 
 
