@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
+from offload_examples.models import import_transformer_engine
 from offload_examples.scenarios import SCENARIOS
 
 
@@ -16,6 +17,7 @@ def main(argv: list[str] | None = None) -> None:
         if argv and argv[0] not in ("-h", "--help"):
             sys.exit(f"unknown scenario {argv[0]!r}; choose from: {names}")
         return
+    import_transformer_engine()  # when installed: before the scenario starts CUDA
     importlib.import_module(SCENARIOS[argv[0]]).main(argv[1:])
 
 

@@ -6,13 +6,15 @@ every strategy runs the same training step:
 - ``no offload``: the baseline;
 - ``engine``: this package, default schedule, pinned buffers reused from step to step;
 - ``engine (fresh pinned)``: the same, with the pool emptied after every step;
-- ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` around the ``k`` layers;
+- ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` around the ``k`` layers
+  (skipped on Transformer Engine's layers, where it crashes);
 - ``torchtune``: torchtune's ``OffloadActivations`` around the ``k`` layers, when installed;
 - ``transformer_engine``: Transformer Engine's ``get_cpu_offload_context``, when installed;
 - ``checkpoint``: recomputation (``torch.utils.checkpoint``) of the ``k`` layers instead.
 
-Each result has the peak memory, the saving against the theoretical saving (the bytes the
-engine's schedule predicts for the same ``k``), the median step time (CUDA events, after
+Each result has the peak memory, the saving against the theoretical saving (what the engine's
+schedule predicts for the same ``k`` from the bytes each layer's forward holds, measured by the CUDA
+allocator; on a CPU, from the engine's own count), the median step time (CUDA events, after
 warm-up) and its ratio to the baseline. For the engine it also has the *copy bound*: the step
 time the schedule allows when copies run at the pinned bandwidth measured at the start of the
 run and compute takes what the baseline's layers took (:meth:`DefaultSchedule.predict_step_ms`),
@@ -45,7 +47,9 @@ from torch import nn
 from offload_examples import DefaultSchedule, get_cpu_offload_context
 from offload_examples.measure import measure_paired, measure_steps, paired_overhead
 from offload_examples.memory_history import MemoryCurve, record_memory_curve
-from offload_examples.models import Checkpointed, build_basic_model, has_transformer_engine
+from offload_examples.models import (
+    TE_LAYER, Checkpointed, build_basic_model, has_transformer_engine, import_transformer_engine, layer_kind,
+)
 from offload_examples.report import ProgressBar, format_bytes, format_markdown_table, write_json
 from offload_examples.timeline import Span, achieved_gb_per_s, record_layer_timeline
 
@@ -125,8 +129,16 @@ class BenchConfig:
             raise ValueError(f"every k must be between 1 and layers - 1 = {self.layers - 1}, got {bad}")
 
 
-def available(strategy: str, device: torch.device) -> str | None:
-    """``None`` when ``strategy`` can run here, else why it is skipped."""
+#: save_on_cpu on Transformer Engine's layers: the illegal access poisons the CUDA context, so every
+#: later run of the process fails too.
+SAVE_ON_CPU_ON_TE = ("crashes with Transformer Engine layers: CUDA illegal memory access "
+                     "(seen with torch 2.11, TE 2.20.2)")
+
+
+def available(strategy: str, device: torch.device, kind: str | None = None) -> str | None:
+    """``None`` when ``strategy`` can run here on layers of ``kind`` (see :func:`layer_kind`), else why not."""
+    if strategy == "save_on_cpu" and kind == TE_LAYER:
+        return SAVE_ON_CPU_ON_TE
     if strategy == "torchtune" and importlib.util.find_spec("torchtune") is None:
         return "torchtune is not installed"
     if strategy == "transformer_engine":
@@ -229,17 +241,50 @@ def _free(*engines: Any) -> None:
         torch.cuda.empty_cache()
 
 
+def _first(per_layer: Sequence[int], k: int) -> list[int]:
+    """``per_layer`` for the first ``k`` layers, 0 for the others."""
+    return [b if i < k else 0 for i, b in enumerate(per_layer)]
+
+
+def _theoretical_saving(per_layer: Sequence[int], k: int) -> int:
+    """The saving the default schedule predicts when the first ``k`` layers' bytes are offloaded."""
+    offloaded = _first(per_layer, k)
+    kept = [b - o for b, o in zip(per_layer, offloaded)]
+    return DefaultSchedule(k, len(per_layer)).simulate(offloaded, kept).saving
+
+
+def _held_bytes(model: nn.ModuleList, x: torch.Tensor) -> list[int] | None:
+    """The bytes each layer's forward keeps for backward, as the CUDA allocator sees them in one forward
+    without offloading (``None`` off CUDA): every tensor kept, whoever saved it, not one engine's count.
+
+    After layer ``i`` the allocator holds what the layers so far keep plus layer ``i``'s output, the
+    next layer's input: what grew apart from that output is layer ``i``'s. A layer's input thus counts
+    once, for the layer whose graph keeps it (the model's input, which the caller keeps anyway, for none).
+    """
+    if x.device.type != "cuda":
+        return None
+    held, h = [], x
+    before = torch.cuda.memory_allocated(x.device)
+    for layer in model:
+        h = layer(h)
+        after = torch.cuda.memory_allocated(x.device) - h.untyped_storage().nbytes()
+        held.append(after - before)
+        before = after
+    return held
+
+
 def _bench_model(name: str, config: BenchConfig, device: torch.device, link: dict | None,
                  bar: ProgressBar, detail: bool) -> dict[str, Any]:
     spec = MODELS[name].small() if config.small else MODELS[name]
     dtype = getattr(torch, config.dtype)
     n = config.layers
+    kind = layer_kind(spec.kind)  # what "auto" builds here
     model = build_basic_model(n, spec.hidden, spec.heads, spec.ffn, device=device, dtype=dtype, kind=spec.kind,
                               seed=config.seed, activation=spec.activation, dropout=spec.dropout)
     gen = torch.Generator(device="cpu").manual_seed(config.seed + 1)
     x = torch.randn(spec.batch, config.seq, spec.hidden, generator=gen, dtype=dtype).to(device).requires_grad_()
     steps = dict(steps=config.steps, warmup=config.warmup)
-    out: dict[str, Any] = {"model": name, "spec": dataclasses.asdict(spec), "runs": []}
+    out: dict[str, Any] = {"model": name, "layer_kind": kind, "spec": dataclasses.asdict(spec), "runs": []}
 
     bar.show(f"model {name}: no offload")
     forward, _ = make_forward("no offload", model, 0, device)
@@ -250,8 +295,10 @@ def _bench_model(name: str, config: BenchConfig, device: torch.device, link: dic
     probe_step()
     spans = record_layer_timeline(probe_step, probe)
     fwd_ms, bwd_ms = _layer_times(spans, n, base.median_ms)
-    per_layer = [s.candidate_bytes for s in probe.stats]
-    out.update(forward_ms=fwd_ms, backward_ms=bwd_ms, saved_bytes_per_layer=per_layer)
+    per_layer = [s.candidate_bytes for s in probe.stats]  # what the engine copies: the copy bound's bytes
+    held = _held_bytes(model, x)  # what the layers hold: the theory's bytes, where the allocator can tell
+    out.update(forward_ms=fwd_ms, backward_ms=bwd_ms, saved_bytes_per_layer=per_layer, held_bytes_per_layer=held,
+               theory_source="engine candidates" if held is None else "measured allocator")
     out["predicted"] = _predictions(n, fwd_ms, bwd_ms, per_layer, link, base.median_ms)
     if detail:
         out["memory_curves"] = {"no offload": _curve_json(record_memory_curve(_step(forward, x)))}
@@ -262,10 +309,8 @@ def _bench_model(name: str, config: BenchConfig, device: torch.device, link: dic
     bar.advance()
 
     for k in config.ks:
-        offloaded = [b if i < k else 0 for i, b in enumerate(per_layer)]
-        kept = [b - o for b, o in zip(per_layer, offloaded)]
-        theory = DefaultSchedule(k, n).simulate(offloaded, kept).saving
-        bound = (DefaultSchedule(k, n).predict_step_ms(fwd_ms, bwd_ms, offloaded, link["d2h"], link["h2d"])
+        theory = _theoretical_saving(per_layer if held is None else held, k)
+        bound = (DefaultSchedule(k, n).predict_step_ms(fwd_ms, bwd_ms, _first(per_layer, k), link["d2h"], link["h2d"])
                  if link else None)
         for strategy in config.strategies:
             if strategy == "no offload":
@@ -273,7 +318,7 @@ def _bench_model(name: str, config: BenchConfig, device: torch.device, link: dic
             bar.show(f"model {name}, k={k}: {strategy}")
             target = name == "A" and k in (2, 4) and strategy == "engine"
             run_steps = dict(steps, steps=max(config.steps, config.target_steps)) if target else steps
-            out["runs"].append(_run_strategy(strategy, model, x, k, device, run_steps, base, theory, bound, link,
+            out["runs"].append(_run_strategy(strategy, model, x, k, device, kind, run_steps, base, theory, bound, link,
                                              detail and k in (2, 4) and strategy == "engine", out,
                                              reference=_step(forward, x)))
             bar.advance()
@@ -282,10 +327,10 @@ def _bench_model(name: str, config: BenchConfig, device: torch.device, link: dic
     return out
 
 
-def _run_strategy(strategy: str, model: nn.ModuleList, x: torch.Tensor, k: int, device: torch.device,
+def _run_strategy(strategy: str, model: nn.ModuleList, x: torch.Tensor, k: int, device: torch.device, kind: str,
                   steps: dict, base, theory: int, bound: float | None, link: dict | None, detail: bool,
                   out: dict[str, Any], reference: Callable[[], torch.Tensor]) -> dict[str, Any]:
-    skipped = available(strategy, device)
+    skipped = available(strategy, device, kind)
     if skipped:
         return {"strategy": strategy, "k": k, "status": "skipped", "reason": skipped}
     engine = None
@@ -355,8 +400,7 @@ def _predictions(n: int, fwd: list[float], bwd: list[float], per_layer: list[int
         return None
     bounds = {}
     for k in range(1, n):
-        offloaded = [b if i < k else 0 for i, b in enumerate(per_layer)]
-        bounds[k] = DefaultSchedule(k, n).predict_step_ms(fwd, bwd, offloaded, link["d2h"], link["h2d"])
+        bounds[k] = DefaultSchedule(k, n).predict_step_ms(fwd, bwd, _first(per_layer, k), link["d2h"], link["h2d"])
     stop = next((k for k, ms in bounds.items() if ms > 1.01 * base_ms), None)
     return {"bound_ms": bounds, "copies_stop_fitting_at_k": stop}
 
@@ -445,10 +489,14 @@ def markdown(results: dict[str, Any]) -> str:
                          bw["d2h"], bw["h2d"]])
         pred = m.get("predicted") or {}
         stop = pred.get("copies_stop_fitting_at_k")
-        parts.append(f"### Model {m['model']}\n\n{results['config']['layers']} layers of Linear + transformer layer, "
+        kind = m.get("layer_kind", "transformer layer")
+        saved = f"the engine's candidates {format_bytes(max(m['saved_bytes_per_layer']))}"
+        if m.get("held_bytes_per_layer"):
+            saved = f"{format_bytes(max(m['held_bytes_per_layer']))} held (measured by the allocator), {saved}"
+        parts.append(f"### Model {m['model']}: {kind}\n\n{results['config']['layers']} layers of Linear + {kind}, "
                      f"hidden {spec['hidden']}, ffn {spec['ffn']}, {spec['heads']} heads, batch {spec['batch']}, "
                      f"sequence {results['config']['seq']}, {results['config']['dtype']}; {spec['note']}. "
-                     f"Saved for backward per layer: {format_bytes(max(m['saved_bytes_per_layer']))}."
+                     f"Saved for backward per layer: {saved}."
                      + (f" The copies stop fitting behind compute at k = {stop} (copy bound > 1.01 x baseline)."
                         if stop else ""))
         parts.append(format_markdown_table(rows, header))
@@ -504,6 +552,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--warmup", type=int)
     parser.add_argument("--out", default="results/bench", help="folder for bench.json, bench.md and plots")
     args = parser.parse_args(argv)
+    import_transformer_engine()  # before CUDA starts, when installed
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     changes = {k: tuple(v) if isinstance(v, list) else v for k, v in vars(args).items()
                if k in {f.name for f in dataclasses.fields(BenchConfig)} and v is not None}

@@ -52,13 +52,14 @@ import functools
 import threading
 import warnings
 import weakref
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import torch
 
-from .layer_state import ALLOWED_FROM, LayerState
+from .errors import (GraphCaptureError, OffloadWarning, capture_mismatch_error, in_place_error, no_buffer_error,
+                     too_many_entries_error)
+from .layer_state import ALLOWED_FROM, LayerState, LayerStats
 from .host_pool import HostBuffer, HostBufferPool, HostMemoryLimitError, NoFreeBufferError
 from .policy import NOT_FROM_AUTOGRAD, held_elsewhere, keep_reason, mark_not_offload
 from .schedule import DefaultSchedule, ManualSchedule, ResidentTrace, SyncDictSchedule
@@ -70,39 +71,6 @@ __all__ = [
 ]
 
 _active = threading.local()  # the engine whose context is open in this thread, if any
-
-
-class OffloadWarning(UserWarning):
-    """Something was not offloaded as asked, or was brought back later than planned."""
-
-
-class GraphCaptureError(RuntimeError):
-    """The engine was used in a way a CUDA graph cannot capture (raised during the capture).
-
-    Also raised by eager steps after :meth:`OffloadEngine.freeze_host_buffers`, which follow
-    the capture's rules without a GPU.
-    """
-
-
-@dataclass
-class LayerStats:
-    """What the engine did with one layer's saved tensors in the current iteration."""
-
-    saved_tensors: int = 0
-    #: Bytes of the distinct storages that could be offloaded (whether or not this layer is).
-    candidate_bytes: int = 0
-    offloaded_tensors: int = 0
-    offloaded_storages: int = 0
-    offloaded_bytes: int = 0
-    kept_tensors: int = 0
-
-
-def _in_place_error(layer: int) -> RuntimeError:
-    return RuntimeError(
-        f"a tensor saved for backward in layer {layer} was modified in place after it was saved, "
-        "so its gradient would be wrong. Clone it before modifying it (autograd reports the same "
-        "misuse without offloading)."
-    )
 
 
 class _Kept:
@@ -122,7 +90,7 @@ class _Kept:
 
     def unpack(self) -> torch.Tensor:
         if self.tensor._version != self.version:
-            raise _in_place_error(self.layer)
+            raise in_place_error(self.layer)
         return self.tensor
 
 
@@ -174,7 +142,7 @@ class _StorageRecord:
         try:
             host = self.pool.acquire(self.nbytes, for_graph=self.captured)
         except NoFreeBufferError as err:
-            raise _no_buffer_error(self.layer, self.captured, err) from None
+            raise no_buffer_error(self.layer, self.captured, err) from None
         s = self.streams
         # The tensor was just written on its home stream; the buffer's previous reload may still
         # be reading it (not during a capture: the device was synchronized before it began).
@@ -189,23 +157,13 @@ class _StorageRecord:
 
     def check_capture(self, what: str, capturing: bool) -> None:
         """Refuse to mix a capture's records with work outside that capture (and vice versa)."""
-        if self.captured == capturing:
-            return
-        if self.captured:
-            raise GraphCaptureError(
-                f"layer {self.layer}'s saved tensors were offloaded inside a CUDA graph capture but are "
-                f"{what} outside it. Capture the forward and the backward of the offloaded layers in one "
-                "graph (torch.cuda.graph around the whole training step)."
-            )
-        raise GraphCaptureError(
-            f"layer {self.layer}'s saved tensors were offloaded before the CUDA graph capture began but are "
-            f"{what} inside it. Begin the capture before the first layer's forward (capture whole steps)."
-        )
+        if self.captured != capturing:
+            raise capture_mismatch_error(self.layer, self.captured, what)
 
     def check_version(self) -> None:
         t = self.original if self.original is not None else self.original_ref()
         if t is not None and t._version != self.version:
-            raise _in_place_error(self.layer)
+            raise in_place_error(self.layer)
 
     def drop_device(self, capturing: bool) -> None:
         """Steps 3 and 6: the home stream waits for the copies that read or wrote the GPU bytes,
@@ -223,10 +181,11 @@ class _StorageRecord:
         """Step 4: allocate GPU bytes on the home stream and queue the host-to-device copy."""
         s = self.streams
         with s.on(self.home):
-            self.device = torch.empty(self.nbytes, dtype=torch.uint8, device=s.device)
+            device = torch.empty(self.nbytes, dtype=torch.uint8, device=s.device)
         # The new block may be memory the home stream used until just now.
-        self.reloaded = s.copy(self.device, self.host.data, on=s.h2d, after=(self.home, self.offloaded),
+        self.reloaded = s.copy(device, self.host.data, on=s.h2d, after=(self.home, self.offloaded),
                                lane="host-to-device", layer=self.layer)
+        self.device = device  # only once its copy is queued: a failed copy leaves nothing unwritten to read
 
     def free(self, capturing: bool) -> None:
         """Step 6: give everything back once autograd no longer needs the storage."""
@@ -445,12 +404,7 @@ class OffloadEngine:
         # extra forward, which would shift every entry: it raises below.)
         if self.live_views == 0 and (not self._backward_seen or any(self._records)):
             return True
-        raise RuntimeError(
-            f"the offload context was entered more than model_layers={n} times before the backwards of "
-            f"entries {sorted(set(range(n)) - self._backwards)} ran. Set model_layers to the number of entries "
-            "per iteration (layers x micro-batches), keep forwards that are not part of the step (shape "
-            "inference, evaluation) outside the context, and if the last step failed, call reset()."
-        )
+        raise too_many_entries_error(n, sorted(set(range(n)) - self._backwards))
 
     def _move(self, layer: int, to: LayerState, why: str) -> None:
         """The one place a layer changes state; an illegal move raises with the schedule's words."""
@@ -586,17 +540,17 @@ class OffloadEngine:
             except RuntimeError as err:  # CUDA refuses to wait on an event of another capture
                 if not rec.captured:
                     raise
-                raise GraphCaptureError(
-                    f"layer {rec.layer}'s saved tensors were offloaded in one CUDA graph capture and are "
-                    "reloaded in another (make_graphed_callables captures forward and backward separately). "
-                    "Capture the forward and the backward of the offloaded layers in one graph."
-                ) from err
+                raise capture_mismatch_error(rec.layer, True, "reloaded in another capture") from err
             if rec.iteration == self.iteration:
                 self.resident_bytes += rec.nbytes
 
     def _reload_layer(self, layer: int, why: str) -> None:
         self._move(layer, LayerState.RELOADING, why)
-        self._reload(self._records[layer])
+        try:
+            self._reload(self._records[layer])
+        except BaseException:
+            self.layer_state[layer] = LayerState.RELEASED  # a retry reloads what is still on the host
+            raise
         self.events.append(("reload_start", layer))
 
     def _run_actions(self, phase: str, layer: int) -> None:
@@ -632,8 +586,7 @@ class OffloadEngine:
             self._warn_once("entries", f"the offload context was entered {entered} times before the backward, "
                             f"but model_layers={n}: layers are offloaded and released by their position, so "
                             "set model_layers to the number of layers run inside the context")
-        elif isinstance(self.schedule, DefaultSchedule) and self.schedule.num_layers and not any(
-                kind == "release" for kind, _ in self.events):
+        elif self.schedule.releases_before_backward and not any(kind == "release" for kind, _ in self.events):
             self._warn_once("no release", "no layer was released before the backward, so offloading saved no "
                             "GPU memory in this iteration (check num_layers and model_layers)")
 
@@ -669,7 +622,7 @@ class OffloadEngine:
         known = self._by_storage[layer].get(storage.data_ptr())
         if known is not None and known.device is not None and known.nbytes == storage.nbytes():
             if known.version != t._version:
-                raise _in_place_error(layer)
+                raise in_place_error(layer)
             return known
         rec = _StorageRecord(self, layer, t, deferred)
         self.stats[layer].candidate_bytes += rec.nbytes
@@ -706,9 +659,7 @@ class OffloadEngine:
             )
         self._warn_once(
             "on_demand",
-            f"layer {rec.layer}'s saved tensors were reloaded on demand (no overlap): "
-            + ("call start_reload_layer() before its backward" if isinstance(self.schedule, ManualSchedule) else
-               "pass each layer's output through sync() so reloads start ahead of time"),
+            f"layer {rec.layer}'s saved tensors were reloaded on demand (no overlap): {self.schedule.reload_hint}",
         )
         with self._lock:
             self._reload([rec])
@@ -738,17 +689,6 @@ class OffloadEngine:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(message, OffloadWarning, stacklevel=3)
-
-
-def _no_buffer_error(layer: int, captured: bool, err: NoFreeBufferError) -> GraphCaptureError:
-    if captured:
-        why = ("the engine does not pin host memory during a CUDA graph capture (it fails on many PyTorch "
-               "releases). Run at least one eager step with the same shapes before capturing, with "
-               "retain_pinned_cpu_buffers=True or after freeze_host_buffers(), so the pool keeps every buffer")
-    else:
-        why = ("the host buffers were frozen (freeze_host_buffers), so a step may only use buffers that "
-               "earlier steps made; this step saves a tensor of a size they did not")
-    return GraphCaptureError(f"layer {layer}: {err}: {why}")
 
 
 def _grad_hook(engine_ref: weakref.ref, iteration: int, layer: int, grad: torch.Tensor) -> None:

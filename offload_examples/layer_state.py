@@ -1,10 +1,11 @@
-"""The states a layer (one entry of the offload context) goes through in one iteration."""
+"""What happens to a layer (one entry of the offload context) in one iteration: its states and its counts."""
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
-__all__ = ["ALLOWED_FROM", "LayerState"]
+__all__ = ["ALLOWED_FROM", "LayerState", "LayerStats"]
 
 
 class LayerState(enum.Enum):
@@ -26,3 +27,16 @@ ALLOWED_FROM = {
     LayerState.RELEASED: {LayerState.OFFLOADING},
     LayerState.RELOADING: {LayerState.RELEASED},
 }
+
+
+@dataclass
+class LayerStats:
+    """What the engine did with one layer's saved tensors in the current iteration."""
+
+    saved_tensors: int = 0
+    #: Bytes of the distinct storages that could be offloaded (whether or not this layer is).
+    candidate_bytes: int = 0
+    offloaded_tensors: int = 0
+    offloaded_storages: int = 0
+    offloaded_bytes: int = 0
+    kept_tensors: int = 0

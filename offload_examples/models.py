@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from typing import Literal
 
 import torch
 from torch import nn
 
-__all__ = ["BasicLayer", "Checkpointed", "build_basic_model", "build_linear_stack", "has_transformer_engine"]
+__all__ = [
+    "BasicLayer", "Checkpointed", "TE_LAYER", "TORCH_LAYER", "build_basic_model", "build_linear_stack",
+    "has_transformer_engine", "import_transformer_engine", "layer_kind",
+]
 
 LayerKind = Literal["auto", "torch", "te"]
+
+#: The names :func:`layer_kind` gives the two transformer layers.
+TE_LAYER, TORCH_LAYER = "te.TransformerLayer", "nn.TransformerEncoderLayer"
 
 
 def has_transformer_engine() -> bool:
@@ -18,20 +25,50 @@ def has_transformer_engine() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
+def import_transformer_engine() -> bool:
+    """Import ``transformer_engine.pytorch`` if it is installed, and say whether it is imported.
+
+    Call it before anything starts CUDA: Transformer Engine loads its own CUDA libraries when
+    imported, and once CUDA has started a system cuDNN may already be loaded in their place.
+    Raises :class:`RuntimeError` if CUDA has started and Transformer Engine is not imported yet.
+    """
+    if "transformer_engine.pytorch" in sys.modules:
+        return True
+    if not has_transformer_engine():
+        return False
+    if torch.cuda.is_initialized():
+        raise RuntimeError("import transformer_engine.pytorch before CUDA starts: CUDA is already initialised, so a "
+                           "system cuDNN may be loaded in place of Transformer Engine's; call "
+                           "offload_examples.models.import_transformer_engine() before any CUDA work")
+    import transformer_engine.pytorch  # noqa: F401
+
+    return True
+
+
+def layer_kind(kind: LayerKind = "auto") -> str:
+    """The transformer layer ``kind`` builds: :data:`TE_LAYER` or :data:`TORCH_LAYER`.
+
+    ``"auto"`` is Transformer Engine's layer when TE is installed and CUDA is available.
+    """
+    if kind == "auto":
+        kind = "te" if has_transformer_engine() and torch.cuda.is_available() else "torch"
+    if kind not in ("te", "torch"):
+        raise ValueError(f"layer kind must be 'auto', 'torch' or 'te', got {kind!r}")
+    return TE_LAYER if kind == "te" else TORCH_LAYER
+
+
 def _transformer_layer(
     hidden: int, heads: int, ffn: int, kind: LayerKind, activation: str = "gelu", dropout: float = 0.0
 ) -> nn.Module:
-    if kind == "auto":
-        kind = "te" if has_transformer_engine() and torch.cuda.is_available() else "torch"
-    if kind == "te":
+    if layer_kind(kind) == TE_LAYER:
+        if not has_transformer_engine():
+            raise ImportError("--kind te needs Transformer Engine: pip install 'offload_examples[te]'")
         import transformer_engine.pytorch as te
 
         return te.TransformerLayer(
             hidden, ffn, heads, hidden_dropout=dropout, attention_dropout=dropout, attn_input_format="bshd",
             activation=activation,
         )
-    if kind != "torch":
-        raise ValueError(f"layer kind must be 'auto', 'torch' or 'te', got {kind!r}")
     return nn.TransformerEncoderLayer(
         hidden, heads, ffn, dropout=dropout, batch_first=True, norm_first=True, activation=activation
     )

@@ -59,6 +59,15 @@ class DefaultSchedule:
     copy_on_save = True
     #: Queue the copies still pending (tensors decided at the end of the layer) when the forward ends.
     offload_at_exit = True
+    #: The synchronizer's methods may not drive it.
+    hand_driven = False
+    #: What to do when a reload had to happen on demand.
+    reload_hint = "pass each layer's output through sync() so reloads start ahead of time"
+
+    @property
+    def releases_before_backward(self) -> bool:
+        """Whether an iteration that released nothing before its backward went wrong."""
+        return self.num_layers > 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "model_layers"):
@@ -210,6 +219,9 @@ class SyncDictSchedule:
     interleaved = True
     copy_on_save = False
     offload_at_exit = True
+    hand_driven = True  # the dict drives the synchronizer
+    releases_before_backward = False
+    reload_hint = "pass each layer's output through sync() so backward triggers are seen"
 
     def __post_init__(self) -> None:
         n = self.model_layers
@@ -312,6 +324,9 @@ class ManualSchedule:
     interleaved = True
     copy_on_save = False
     offload_at_exit = False
+    hand_driven = True
+    releases_before_backward = False
+    reload_hint = "call start_reload_layer() before its backward"
 
     def __post_init__(self) -> None:
         n = self.model_layers

@@ -11,7 +11,6 @@ import weakref
 from typing import TYPE_CHECKING
 
 from .layer_state import LayerState
-from .schedule import DefaultSchedule
 
 if TYPE_CHECKING:
     from .engine import OffloadEngine
@@ -50,7 +49,7 @@ class OffloadSynchronizer:
 
     def _check(self, layer_id: int, what: str) -> OffloadEngine:
         e = self._engine
-        if isinstance(e.schedule, DefaultSchedule):
+        if not e.schedule.hand_driven:
             raise RuntimeError(f"{what}: this context follows {type(e.schedule).__name__}; "
                                "build it with manual_synchronization=True to drive it by hand")
         n = e.model_layers

@@ -338,13 +338,11 @@ def _replayed(saved, device: torch.device) -> Iterator[None]:
     """Run the recomputation with the random state and autocast its first run had, then restore
     the present random state."""
     state, (enabled, dtype) = saved
-    present = _rng_state(device)
-    _set_rng_state(state, device)
-    try:
+    # fork_rng restores the present CPU state (and this GPU's) however the block ends
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        _set_rng_state(state, device)
         with torch.autocast(device.type, dtype=dtype, enabled=enabled):
             yield
-    finally:
-        _set_rng_state(present, device)
 
 
 class _StreamedLayer(torch.autograd.Function):

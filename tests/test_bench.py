@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 
 import pytest
 import torch
 
 from offload_examples import DefaultSchedule, get_cpu_offload_context
-from offload_examples import bench
+from offload_examples import bench, models
 from offload_examples.measure import training_step
 from offload_examples.memory_history import MemoryCurve, curve_from_snapshot, record_memory_curve
-from offload_examples.models import build_linear_stack
+from offload_examples.models import TE_LAYER, TORCH_LAYER, build_linear_stack
 from offload_examples.report import ProgressBar
 from offload_examples.timeline import achieved_gb_per_s, record_layer_timeline
 
@@ -23,7 +24,11 @@ def _check_outputs(results: dict, out) -> None:
     paths = bench.write_outputs(results, out)
     data = json.loads((out / "bench.json").read_text())
     assert data["config"]["ks"] == list(results["config"]["ks"])
-    assert "| k | strategy |" in (out / "bench.md").read_text()
+    md = (out / "bench.md").read_text()
+    assert "| k | strategy |" in md
+    for m in data["models"]:
+        assert {"layer_kind", "saved_bytes_per_layer", "held_bytes_per_layer", "theory_source"} <= set(m)
+        assert f"### Model {m['model']}: {m['layer_kind']}\n" in md
     pngs = [p for p in paths if p.suffix == ".png"]
     assert {p.name for p in pngs} >= {"memory_vs_time.png", "overhead_vs_k.png"}
     for p in pngs:
@@ -45,8 +50,11 @@ def test_bench_tiny_end_to_end(tmp_path):
                     assert r["status"] == "ok", r
                     assert r["step_ms"] > 0 and len(r["step_ms_all"]) == config.steps
         engine = seen[("engine", 2)]
+        # no allocator to measure on a CPU: the theory counts the engine's candidates
+        assert model["theory_source"] == "engine candidates" and model["held_bytes_per_layer"] is None
         assert engine["theoretical_saving_bytes"] == sum(model["saved_bytes_per_layer"][:2])
         assert engine["pinned_allocations"] > 0
+        assert model["layer_kind"] == TORCH_LAYER  # the tiny grid's models are plain PyTorch
     assert results["models"][0]["timelines"]["engine k=2"], "the first model keeps a timeline"
     _check_outputs(results, tmp_path)
 
@@ -61,12 +69,54 @@ def test_bench_cli_and_a_failing_strategy(tmp_path, monkeypatch, capsys):
         return real(strategy, *args)
 
     monkeypatch.setattr(bench, "make_forward", broken)
+    # main() imports Transformer Engine first; in this process CUDA may have started already
+    imported = []
+    monkeypatch.setattr(bench, "import_transformer_engine", lambda: imported.append(True))
     results = bench.main(["--tiny", "--models", "B", "--ks", "1", "--out", str(tmp_path)])
+    assert imported == [True]
     runs = {r["strategy"]: r for r in results["models"][0]["runs"]}
     assert runs["save_on_cpu"] == {"strategy": "save_on_cpu", "k": 1, "status": "failed", "reason": "RuntimeError: boom"}
     assert runs["checkpoint"]["status"] == "ok"
     assert "failed: RuntimeError: boom" in capsys.readouterr().out
     assert (tmp_path / "bench.json").is_file()
+
+
+def test_save_on_cpu_is_skipped_on_transformer_engine_layers(monkeypatch):
+    """save_on_cpu crashes on TE's layers and poisons the CUDA context: it is skipped, with why."""
+    for device in (torch.device("cpu"), torch.device("cuda")):
+        assert bench.available("save_on_cpu", device, TE_LAYER) == bench.SAVE_ON_CPU_ON_TE
+        assert bench.available("save_on_cpu", device, TORCH_LAYER) is None
+        assert bench.available("save_on_cpu", device) is None
+    assert "CUDA illegal memory access" in bench.SAVE_ON_CPU_ON_TE
+    # the bench passes each model's layer kind down to its runs and reports it
+    monkeypatch.setattr(bench, "layer_kind", lambda kind: TE_LAYER)
+    config = bench.BenchConfig.tiny(models=("B",), ks=(1,), strategies=("no offload", "save_on_cpu", "checkpoint"))
+    results = bench.run(config, "cpu", stream=io.StringIO())
+    model = results["models"][0]
+    runs = {r["strategy"]: r for r in model["runs"]}
+    assert model["layer_kind"] == TE_LAYER
+    assert runs["save_on_cpu"] == {"strategy": "save_on_cpu", "k": 1, "status": "skipped",
+                                   "reason": bench.SAVE_ON_CPU_ON_TE}
+    assert runs["checkpoint"]["status"] == "ok"
+    md = bench.markdown(results)
+    assert "### Model B: te.TransformerLayer" in md and "skipped: crashes with Transformer Engine layers" in md
+
+
+def test_layer_kinds_and_transformer_engine_import(monkeypatch):
+    assert models.layer_kind("torch") == TORCH_LAYER and models.layer_kind("te") == TE_LAYER
+    with pytest.raises(ValueError, match="'auto', 'torch' or 'te'"):
+        models.layer_kind("jax")
+    monkeypatch.delitem(sys.modules, "transformer_engine.pytorch", raising=False)
+    monkeypatch.setattr(models, "has_transformer_engine", lambda: False)
+    assert models.layer_kind("auto") == TORCH_LAYER
+    assert models.import_transformer_engine() is False
+    with pytest.raises(ImportError, match=r"^--kind te needs Transformer Engine: pip install '.*\[te\]'$"):
+        models.build_basic_model(1, 8, 2, 16, kind="te")
+    # installed, but CUDA started before it was imported: a clear error, not a wrong cuDNN
+    monkeypatch.setattr(models, "has_transformer_engine", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="import transformer_engine.pytorch before CUDA starts"):
+        models.import_transformer_engine()
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -93,6 +143,19 @@ def test_copy_bound_by_hand():
     assert DefaultSchedule(0, 2).predict_step_ms(fwd, bwd, [0, 0], 1.0, 1.0) == pytest.approx(6.0)
     with pytest.raises(ValueError, match="one per layer"):
         s.predict_step_ms([1.0], bwd, [0, 0], 1.0, 1.0)
+
+
+@pytest.mark.gpu
+def test_held_bytes_per_layer_by_hand(cuda):
+    """Linear -> GELU -> Linear keeps its input, the first Linear's output and GELU's: the allocator
+    sees exactly those, each layer's input counted for the layer that keeps it, the model's for none."""
+    batch, width = 64, 256
+    model = build_linear_stack(3, width, device=cuda)
+    x = torch.randn(batch, width, device=cuda, requires_grad=True)
+    bench._step(lambda h: bench._through(model, h), x)()  # warm-up: cuBLAS workspaces
+    inner, io_bytes = 2 * batch * 4 * width * 4, batch * width * 4
+    assert bench._held_bytes(model, x) == [inner, inner + io_bytes, inner + io_bytes]
+    assert bench._held_bytes(model.cpu(), x.detach().cpu()) is None
 
 
 def test_layer_timeline_follows_the_schedule():
@@ -173,9 +236,13 @@ def test_bench_short_gpu_run(tmp_path):
     results = bench.run(config, "cuda", stream=io.StringIO())
     link = results["link_gb_per_s"]
     assert all(link[key] > 1 for key in ("h2d", "d2h", "both"))
-    runs = {r["strategy"]: r for r in results["models"][0]["runs"]}
+    model = results["models"][0]
+    runs = {r["strategy"]: r for r in model["runs"]}
     for strategy, r in runs.items():
-        assert r["status"] == "ok" or (r["status"] == "skipped" and "not installed" in r["reason"]), r
+        assert r["status"] == "ok" or (r["status"] == "skipped" and (
+            "not installed" in r["reason"] or r["reason"] == bench.SAVE_ON_CPU_ON_TE)), r
+    assert (runs["save_on_cpu"]["status"] == "skipped") == (model["layer_kind"] == TE_LAYER)
+    assert model["theory_source"] == "measured allocator" and len(model["held_bytes_per_layer"]) == 6
     engine = runs["engine"]
     assert engine["saving_ratio"] >= 0.99
     assert engine["bound_ms"] > 0 and engine["d2h_gb_per_s"] > 0 and engine["h2d_gb_per_s"] > 0

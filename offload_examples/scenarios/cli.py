@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from offload_examples.models import import_transformer_engine
 from offload_examples.report import write_json
 
 __all__ = ["scenario_main"]
@@ -42,6 +43,7 @@ def scenario_main(
         extra(parser)
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     args = parser.parse_args(argv)
+    import_transformer_engine()  # when installed: before CUDA starts
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     changes = {f.name: getattr(args, f.name) for f in fields if getattr(args, f.name, None) is not None}
     config = config_cls.small(**changes) if args.small else config_cls.for_device(device, **changes)

@@ -1,0 +1,65 @@
+"""The engine's exceptions and warning, and the longer messages it raises."""
+
+from __future__ import annotations
+
+__all__ = ["GraphCaptureError", "OffloadWarning"]
+
+
+class OffloadWarning(UserWarning):
+    """Something was not offloaded as asked, or was brought back later than planned."""
+
+
+class GraphCaptureError(RuntimeError):
+    """The engine was used in a way a CUDA graph cannot capture (raised during the capture).
+
+    Also raised by eager steps after :meth:`OffloadEngine.freeze_host_buffers`, which follow
+    the capture's rules without a GPU.
+    """
+
+
+def in_place_error(layer: int) -> RuntimeError:
+    return RuntimeError(
+        f"a tensor saved for backward in layer {layer} was modified in place after it was saved, "
+        "so its gradient would be wrong. Clone it before modifying it (autograd reports the same "
+        "misuse without offloading)."
+    )
+
+
+def capture_mismatch_error(layer: int, captured: bool, what: str) -> GraphCaptureError:
+    """A record of one CUDA graph capture used outside it, or one made outside used inside."""
+    if captured and what == "reloaded in another capture":
+        return GraphCaptureError(
+            f"layer {layer}'s saved tensors were offloaded in one CUDA graph capture and are reloaded in "
+            "another (make_graphed_callables captures forward and backward separately). Capture the "
+            "forward and the backward of the offloaded layers in one graph."
+        )
+    if captured:
+        return GraphCaptureError(
+            f"layer {layer}'s saved tensors were offloaded inside a CUDA graph capture but are {what} outside "
+            "it. Capture the forward and the backward of the offloaded layers in one graph "
+            "(torch.cuda.graph around the whole training step)."
+        )
+    return GraphCaptureError(
+        f"layer {layer}'s saved tensors were offloaded before the CUDA graph capture began but are {what} "
+        "inside it. Begin the capture before the first layer's forward (capture whole steps)."
+    )
+
+
+def too_many_entries_error(n: int, missing_backwards: list[int]) -> RuntimeError:
+    return RuntimeError(
+        f"the offload context was entered more than model_layers={n} times before the backwards of "
+        f"entries {missing_backwards} ran. Set model_layers to the number of entries per iteration (layers x "
+        "micro-batches), keep forwards that are not part of the step (shape inference, evaluation) outside "
+        "the context, and if the last step failed, call reset()."
+    )
+
+
+def no_buffer_error(layer: int, captured: bool, err: Exception) -> GraphCaptureError:
+    if captured:
+        why = ("the engine does not pin host memory during a CUDA graph capture (it fails on many PyTorch "
+               "releases). Run at least one eager step with the same shapes before capturing, with "
+               "retain_pinned_cpu_buffers=True or after freeze_host_buffers(), so the pool keeps every buffer")
+    else:
+        why = ("the host buffers were frozen (freeze_host_buffers), so a step may only use buffers that "
+               "earlier steps made; this step saves a tensor of a size they did not")
+    return GraphCaptureError(f"layer {layer}: {err}: {why}")

@@ -1,0 +1,463 @@
+"""Lifetimes: what the engine holds, and for how long, when a step ends normally, early or by a fault.
+
+Regression tests for defects a review found in the engine before its rewrite (f46a305): records
+that formed reference cycles with the outputs they saved (and with the engine), faults that left
+interleaved schedules stuck or misaligned, a failed device-to-host copy that kept its unwritten
+host buffer, a finaliser that swallowed its errors, and intermediates of custom
+``autograd.Function`` s that were never offloaded. All run on the CPU, in every mode that applies:
+the default schedule, manual synchronization and a ``synchronization_dict``.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from offload_examples import OffloadWarning, SyncDictSchedule, get_cpu_offload_context
+
+CPU = torch.device("cpu")
+N = 4  # entries of the context per iteration: layers 0 and 1 are offloaded in every mode
+MODES = ["default", "manual", "dict"]
+#: The order every step below runs in: all forwards, then one backward through every layer.
+ORDER = [("forward", j) for j in range(N)] + [("backward", j) for j in reversed(range(N))]
+#: Layer 0 released at 2F, layer 1 at 3B (so it is still held when a step ends without backward);
+#: both reloaded at 2B.
+SYNC_DICT = {0: (True, 2, False, 2), 1: (False, 3, False, 2)}
+SyncDictSchedule(SYNC_DICT, N, ORDER)  # checked against the order once, at import
+
+ACTIVATIONS = {  # ops that save their own output for backward
+    "tanh": torch.tanh,
+    "exp": torch.exp,
+    "sigmoid": torch.sigmoid,
+    "softmax": lambda t: torch.softmax(t, dim=-1),
+}
+
+
+class Boom(Exception):
+    pass
+
+
+class FailingBackward(torch.autograd.Function):
+    """Identity (a clone) that saves its input and raises in the backward of layer ``fail_layer``."""
+
+    fail_layer: int | None = None
+
+    @staticmethod
+    def forward(ctx, x, layer):
+        ctx.layer = layer
+        ctx.save_for_backward(x)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        if FailingBackward.fail_layer == ctx.layer:
+            raise Boom(f"failure in the backward of layer {ctx.layer}")
+        return g, None
+
+
+class Block(nn.Module):
+    """Linear -> an op that saves its output -> Linear -> FailingBackward.
+
+    Keeps a weak reference to the storage of the activation each forward made in ``probes``.
+    """
+
+    def __init__(self, index: int, width: int = 16, act: str = "tanh"):
+        super().__init__()
+        self.index, self.act = index, ACTIVATIONS[act]
+        self.a, self.b = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.probes: list[weakref.ref] = []
+
+    def forward(self, x):
+        h = self.act(self.a(x))
+        self.probes.append(weakref.ref(h.untyped_storage()))
+        return FailingBackward.apply(self.b(h), self.index)
+
+
+def make_model(act: str = "tanh") -> nn.ModuleList:
+    torch.manual_seed(0)
+    return nn.ModuleList(Block(i, act=act) for i in range(N))
+
+
+def data(seed: int = 1) -> torch.Tensor:
+    return torch.randn(8, 16, generator=torch.Generator().manual_seed(seed)).requires_grad_()
+
+
+def make_ctx(mode: str, **kw):
+    """``(ctx, sync, synchronizer)``; the synchronizer is ``None`` except in manual mode."""
+    if mode == "default":
+        ctx, sync = get_cpu_offload_context(enabled=True, num_layers=2, model_layers=N, device=CPU, **kw)
+        return ctx, sync, None
+    if mode == "manual":
+        return get_cpu_offload_context(enabled=True, model_layers=N, manual_synchronization=True, device=CPU, **kw)
+    ctx, sync = get_cpu_offload_context(enabled=True, model_layers=N, synchronization_dict=SYNC_DICT, device=CPU, **kw)
+    return ctx, sync, None
+
+
+def forward(model, x, ctx=None, sync=None, synchronizer=None, fault_at: int | None = None):
+    """The forwards of one step; in manual mode the synchronizer follows :data:`SYNC_DICT`."""
+    h = x
+    for j, layer in enumerate(model):
+        if synchronizer is not None and j == 2:
+            synchronizer.release_activation_forward_gpu_memory(0)
+        if ctx is None:
+            h = layer(h)
+            continue
+        with ctx:
+            h = layer(h)
+            if j == fault_at:
+                raise Boom(f"failure in the forward of layer {j}")
+        h = sync(h)
+        if synchronizer is not None and j < 2:
+            synchronizer.start_offload_layer(j)
+    return h
+
+
+def backward(h, synchronizer=None) -> None:
+    if synchronizer is not None:
+        synchronizer.release_activation_forward_gpu_memory(1)
+        synchronizer.start_reload_layer(1)
+        synchronizer.start_reload_layer(0)
+    h.square().mean().backward()
+
+
+def grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    out = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    return out
+
+
+def run(model, x, ctx=None, sync=None, synchronizer=None) -> list[torch.Tensor]:
+    """One full training step; its gradients."""
+    backward(forward(model, x, ctx, sync, synchronizer), synchronizer)
+    return grads(model, x)
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+def assert_idle(ctx) -> None:
+    """No saved view alive, nothing resident, every host buffer back in the pool, no record holding memory."""
+    assert ctx.live_views == 0
+    assert ctx.resident_bytes == 0
+    assert ctx.pool.held_bytes == ctx.pool.free_bytes
+    records = [rec for recs in ctx._records for rec in recs]
+    assert all(rec.host is None for rec in records), "a record still holds a host buffer"
+    assert all(rec.device is None for rec in records), "a record still holds device memory"
+
+
+def assert_recovered(model, x, ctx, sync, synchronizer, expected) -> None:
+    """The next steps start afresh at entry 0, follow the schedule and give bitwise equal gradients."""
+    for _ in range(2):
+        assert same(expected, run(model, x, ctx, sync, synchronizer))
+        assert ctx.phase_order() == ORDER
+        assert [s.offloaded_bytes > 0 for s in ctx.stats] == [True, True, False, False]
+        assert_idle(ctx)
+
+
+# ---------------------------------------------------------------- 1. reference cycles
+@pytest.mark.parametrize("act", sorted(ACTIVATIONS))
+@pytest.mark.parametrize("mode", MODES)
+def test_forward_without_backward_frees_saved_outputs_without_gc(mode, act):
+    """Reference cycle leak: a saved op output (and the engine) must be freed without the garbage collector."""
+    model, x = make_model(act), data()
+    expected = run(model, x)
+    ctx, sync, synchronizer = make_ctx(mode, retain_pinned_cpu_buffers=True)
+    gc.disable()
+    try:
+        for layer in model:
+            layer.probes.clear()
+        h = forward(model, x, ctx, sync, synchronizer)  # e.g. an evaluation pass with grad on
+        probes = [p for layer in model for p in layer.probes]
+        assert len(probes) == N and probes[-1]() is not None  # held by the graph (released layers' are gone)
+        del h
+        alive = [j for j, p in enumerate(probes) if p() is not None]
+        assert not alive, f"the saved activations of layers {alive} outlived their graph"
+        assert_idle(ctx)
+        assert_recovered(model, x, ctx, sync, synchronizer, expected)
+        engine = weakref.ref(ctx)
+        del ctx, sync, synchronizer
+        assert engine() is None, "the engine (and its pinned pool) is kept alive by a reference cycle"
+    finally:
+        gc.enable()
+
+
+# ---------------------------------------------------------------- 2. faults
+def _fail_once_at_enter(monkeypatch, ctx, layer: int) -> None:
+    """The engine's per-phase actions raise once, when the forward of ``layer`` enters the context."""
+    actions, fired = ctx._run_actions, []
+
+    def flaky(phase, j):
+        if phase == "forward" and j == layer and not fired:
+            fired.append(j)
+            raise Boom(f"failure at the entry of layer {j}")
+        return actions(phase, j)
+
+    monkeypatch.setattr(ctx, "_run_actions", flaky)
+
+
+@pytest.mark.parametrize("where", ["forward", "backward", "enter"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_fault_frees_everything_and_the_next_step_works(mode, where, monkeypatch):
+    """Fault recovery: after a fault in a forward, a backward or __enter__, all is freed and the next step is right."""
+    model, x = make_model(), data()
+    expected = run(model, x)
+    ctx, sync, synchronizer = make_ctx(mode, retain_pinned_cpu_buffers=True)
+    assert same(expected, run(model, x, ctx, sync, synchronizer))  # warm-up: the pool allocates here
+    held = ctx.pool.held_bytes
+    if where == "enter":
+        _fail_once_at_enter(monkeypatch, ctx, 2)
+    try:
+        with pytest.raises(Boom):
+            FailingBackward.fail_layer = 1 if where == "backward" else None
+            h = None
+            h = forward(model, x, ctx, sync, synchronizer, fault_at=2 if where == "forward" else None)
+            backward(h, synchronizer)
+    finally:
+        FailingBackward.fail_layer = None
+    del h  # the failed step's graph goes with its last reference, as in a training loop
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    assert_idle(ctx)
+    assert_recovered(model, x, ctx, sync, synchronizer, expected)
+    assert ctx.pool.held_bytes == held  # nothing leaked from the pool, nothing pinned afresh
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reset_abandons_an_iteration(mode):
+    """Fault recovery: reset() frees an abandoned step, its backward raises a clear error, the next step works."""
+    model, x = make_model(), data()
+    expected = run(model, x)
+    ctx, sync, synchronizer = make_ctx(mode, retain_pinned_cpu_buffers=True)
+    assert same(expected, run(model, x, ctx, sync, synchronizer))
+    h = forward(model, x, ctx, sync, synchronizer)  # ... and then the loss fails, outside the context
+    ctx.reset()
+    assert_idle(ctx)
+    with pytest.raises(RuntimeError, match="step that failed or was reset"):
+        h.square().mean().backward()
+    del h
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    assert_recovered(model, x, ctx, sync, synchronizer, expected)
+
+
+# ---------------------------------------------------------------- 3. a failed device-to-host copy
+def _fail_next_device_to_host_copy(monkeypatch, ctx) -> list[int]:
+    """Make the next device-to-host copy raise; returns a list that receives the failed copy's bytes.
+
+    The engine copies through ``ctx.streams.copy``; f46a305 had no such method and called
+    ``host.data.copy_(device, non_blocking=True)`` in ``_StorageRecord.copy_out``, so there the
+    first such call (a forward makes no other) is made to fail instead.
+    """
+    failed: list[int] = []
+    streams = ctx.streams
+    if hasattr(type(streams), "copy"):
+        copy = streams.copy
+
+        def failing_copy(dst, src, *, lane="", **kw):
+            if not failed and lane == "device-to-host":
+                failed.append(src.numel() * src.element_size())
+                raise RuntimeError("injected: device-to-host copy failed")
+            return copy(dst, src, lane=lane, **kw)
+
+        monkeypatch.setattr(streams, "copy", failing_copy)
+    else:
+        copy_ = torch.Tensor.copy_
+
+        def failing_copy_(self, src, non_blocking=False):
+            if not failed and non_blocking and self.dtype == src.dtype == torch.uint8 and self.dim() == 1:
+                failed.append(src.numel())
+                raise RuntimeError("injected: device-to-host copy failed")
+            return copy_(self, src, non_blocking=non_blocking)
+
+        monkeypatch.setattr(torch.Tensor, "copy_", failing_copy_)
+    return failed
+
+
+@pytest.mark.parametrize("retain", [True, False], ids=["retain", "no-retain"])
+@pytest.mark.parametrize("mode", MODES)
+def test_failed_device_to_host_copy_keeps_the_tensor_and_returns_the_buffer(mode, retain, monkeypatch):
+    """Failed D2H copy: the tensor stays on the device, bitwise gradients, the buffer goes back, a warning."""
+    model, x, y = make_model(), data(1), data(2)
+    expected = run(model, y)
+    ctx, sync, synchronizer = make_ctx(mode, retain_pinned_cpu_buffers=retain)
+    run(model, x, ctx, sync, synchronizer)  # a step on other data first: a retained buffer holds x's activations
+    clean = [s.offloaded_bytes for s in ctx.stats]
+    failed = _fail_next_device_to_host_copy(monkeypatch, ctx)
+    with pytest.warns(OffloadWarning, match=r"keeping saved tensors of layer 0 on the device: .*injected"):
+        got = run(model, y, ctx, sync, synchronizer)
+    assert len(failed) == 1
+    assert same(expected, got)
+    # the storage whose copy failed stayed on the device: it is missing from layer 0's offloaded bytes
+    assert [s.offloaded_bytes for s in ctx.stats] == [clean[0] - failed[0]] + clean[1:]
+    assert_idle(ctx)
+    if not retain:
+        assert ctx.pool.held_bytes == 0
+    monkeypatch.undo()
+    assert same(expected, run(model, y, ctx, sync, synchronizer))  # the next step offloads everything again
+    assert [s.offloaded_bytes for s in ctx.stats] == clean
+    assert_idle(ctx)
+
+
+def _fail_next_host_to_device_copy(monkeypatch, ctx) -> list[int]:
+    """Make the next host-to-device copy raise, leaving its destination unwritten (here 0xFF bytes, so
+    that what backward would read is deterministic: a failed copy leaves whatever memory it got)."""
+    failed: list[int] = []
+    copy = ctx.streams.copy
+
+    def failing_copy(dst, src, *, lane="", **kw):
+        if not failed and lane == "host-to-device":
+            failed.append(dst.numel())
+            dst.fill_(255)
+            raise RuntimeError("injected: host-to-device copy failed")
+        return copy(dst, src, lane=lane, **kw)
+
+    monkeypatch.setattr(ctx.streams, "copy", failing_copy)
+    return failed
+
+
+@pytest.mark.parametrize("case", ["manual-go-on", "default-retry"])
+def test_failed_host_to_device_copy_never_feeds_backward_an_unwritten_buffer(case, monkeypatch):
+    """Failed H2D copy: a backward after a failed reload raises or reloads again, never reads the unwritten buffer."""
+    mode = case.split("-")[0]
+    model, x = make_model(), data()
+    expected = run(model, x)
+    ctx, sync, synchronizer = make_ctx(mode)
+    failed = _fail_next_host_to_device_copy(monkeypatch, ctx)
+    h = forward(model, x, ctx, sync, synchronizer)
+    loss = h.square().mean()
+    try:
+        if case == "manual-go-on":  # the caller sees start_reload_layer fail, and goes on
+            synchronizer.release_activation_forward_gpu_memory(1)
+            with pytest.raises(RuntimeError, match="injected"):
+                synchronizer.start_reload_layer(1)
+            synchronizer.start_reload_layer(0)
+        else:  # the reload in layer 1's gradient hook fails; the caller retries the backward
+            with pytest.raises(RuntimeError, match="injected"):
+                loss.backward(retain_graph=True)
+            model.zero_grad(set_to_none=True)
+            x.grad = None
+        assert failed
+        with pytest.warns(OffloadWarning, match="reloaded on demand"):  # what the failed reload left on the host
+            loss.backward()
+    except RuntimeError as err:  # a clear error is an acceptable answer; the injected one is not it
+        assert "injected" not in str(err)
+        return
+    assert same(expected, grads(model, x)), "backward computed with the bytes of a failed host-to-device copy"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_failed_host_to_device_copy_then_dropped_graph_leaves_the_engine_idle(mode, monkeypatch):
+    """Failed H2D copy: once the failed step's graph is dropped, the engine's read-outs are back at zero."""
+    model, x = make_model(), data()
+    expected = run(model, x)
+    ctx, sync, synchronizer = make_ctx(mode, retain_pinned_cpu_buffers=True)
+    _fail_next_host_to_device_copy(monkeypatch, ctx)
+    with pytest.raises(RuntimeError, match="injected"):
+        run(model, x, ctx, sync, synchronizer)
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    monkeypatch.undo()
+    try:
+        assert_idle(ctx)
+    finally:  # the next step is right either way
+        assert same(expected, run(model, x, ctx, sync, synchronizer))
+
+
+# ---------------------------------------------------------------- 4. the finaliser
+def test_a_failure_in_the_saved_view_finaliser_is_reported(monkeypatch):
+    """Finaliser: an error while freeing a saved view is reported as an OffloadWarning, not swallowed."""
+    model, x = make_model(), data()
+    ctx, sync, _ = make_ctx("default")
+    h = forward(model, x, ctx, sync)
+
+    def broken(record):
+        raise RuntimeError("injected: freeing failed")
+
+    monkeypatch.setattr(ctx, "_view_dropped", broken)
+    with pytest.warns(OffloadWarning, match=r"freeing a saved tensor of layer [01] failed: .*injected"):
+        del h  # autograd drops the saved views here
+
+
+# ---------------------------------------------------------------- 5. custom autograd.Function intermediates
+class FusedQKV(torch.autograd.Function):
+    """``q, k, v = split(x @ w)`` as in fused attention projections; saves the three views of ``qkv``."""
+
+    qkv_bytes: list[int] = []
+
+    @staticmethod
+    def forward(ctx, x, w):
+        qkv = x @ w
+        FusedQKV.qkv_bytes.append(qkv.untyped_storage().nbytes())
+        q, k, v = qkv.chunk(3, dim=-1)
+        ctx.save_for_backward(q, k, v, x, w)
+        return q * k + v
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, x, w = ctx.saved_tensors
+        dqkv = torch.cat([g * k, g * q, g], dim=-1)
+        return dqkv @ w.t(), x.t() @ dqkv
+
+
+class QKVLayer(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(width, 3 * width) / width**0.5)
+
+    def forward(self, x):
+        return FusedQKV.apply(x, self.w)
+
+
+def test_custom_function_intermediates_are_offloaded():
+    """Custom Function intermediates: views of a fused qkv made inside forward are offloaded, gradients bitwise."""
+    torch.manual_seed(0)
+    width = 32
+    model = nn.ModuleList(QKVLayer(width) for _ in range(3))
+    x = torch.randn(8, width, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    expected = run(model, x)
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=2, model_layers=3, device=CPU)
+    for _ in range(2):
+        FusedQKV.qkv_bytes.clear()
+        assert same(expected, run(model, x, ctx, sync))
+        qkv = FusedQKV.qkv_bytes[0]
+        # layer 0 saves q, k, v (one storage) and its input x, a leaf (kept); layer 1 also offloads its input
+        assert ctx.stats[0].offloaded_bytes == qkv
+        assert ctx.stats[1].offloaded_bytes == qkv + x.numel() * x.element_size()
+        assert ctx.stats[2].offloaded_bytes == 0
+
+
+def test_a_view_of_caller_owned_data_is_not_offloaded():
+    """Custom Function intermediates (counterpart): a micro-batch view of a batch the caller keeps is not offloaded."""
+    torch.manual_seed(0)
+    model = nn.ModuleList([nn.Sequential(nn.Linear(16, 64), nn.Tanh()), nn.Linear(64, 16)])
+    batch = torch.randn(3, 8, 16)  # the caller keeps it (it needs no grad); layer 0 sees batch[1]
+    batch_bytes = batch.untyped_storage().nbytes()
+
+    def step(ctx=None, sync=None):
+        h = batch[1]
+        for layer in model:
+            if ctx is None:
+                h = layer(h)
+                continue
+            with ctx:
+                h = layer(h)
+            h = sync(h)
+        h.square().mean().backward()
+        out = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return out
+
+    expected = step()
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2, device=CPU)
+    for _ in range(2):
+        assert same(expected, step(ctx, sync))
+        tanh_bytes = 8 * 64 * 4  # layer 0 saves batch[1] (for the Linear) and the Tanh output
+        assert ctx.stats[0].offloaded_bytes == tanh_bytes != batch_bytes
+        assert ctx.stats[0].offloaded_storages == 1
