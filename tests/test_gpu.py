@@ -73,6 +73,23 @@ def test_retained_pinned_buffers_are_not_reallocated(cuda):
     assert (ctx.pool.allocations, ctx.pool.held_bytes) == (first, held)
 
 
+def test_a_second_context_pins_nothing_new(cuda):
+    """Contexts that do not retain their buffers hand them to PyTorch's pinned-memory cache as soon as
+    they are free, so a second context (the first one still alive) pins no new host memory."""
+    model = build_linear_stack(4, 512, device=cuda, dtype=torch.bfloat16)
+    x = torch.randn(4, 256, 512, device=cuda, dtype=torch.bfloat16, requires_grad=True)
+    first, sync = get_cpu_offload_context(enabled=True, num_layers=3, model_layers=4)
+    measure_steps(model, x, first, sync, steps=1, warmup=0)
+    torch.cuda.synchronize()
+    pinned = torch.cuda.host_memory_stats()["num_host_alloc"]  # cudaHostAlloc calls so far
+    assert first.pool.held_bytes == 0 and first.offloaded_bytes > 0
+    second, sync2 = get_cpu_offload_context(enabled=True, num_layers=3, model_layers=4)
+    measure_steps(model, x, second, sync2, steps=1, warmup=0)
+    torch.cuda.synchronize()
+    assert second.offloaded_bytes == first.offloaded_bytes
+    assert torch.cuda.host_memory_stats()["num_host_alloc"] == pinned, "the second context pinned memory again"
+
+
 def test_no_host_synchronisation_on_the_hot_path(cuda):
     """CUDA's sync debug mode raises on any call that makes the host wait for the device."""
     model = build_linear_stack(4, 512, device=cuda, dtype=torch.bfloat16)

@@ -1,0 +1,144 @@
+"""Transformer Engine layers under the engine, on the GPU: what TE's own offloading tests check,
+written for this project.
+
+They need CUDA and Transformer Engine. Without TE they are skipped, unless
+``OFFLOAD_EXAMPLES_REQUIRE_TE=1``, which makes them fail instead (set it on a node where TE belongs
+to the stack).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+
+import pytest
+import torch
+
+from offload_examples import get_cpu_offload_context
+from offload_examples.bench import _held_bytes
+from offload_examples.measure import compare_grads, measure_steps
+from offload_examples.models import has_transformer_engine, import_transformer_engine
+
+pytestmark = pytest.mark.gpu
+
+if not has_transformer_engine():
+    if os.environ.get("OFFLOAD_EXAMPLES_REQUIRE_TE") == "1":
+        raise RuntimeError("OFFLOAD_EXAMPLES_REQUIRE_TE=1 but transformer_engine is not installed")
+    pytest.skip("Transformer Engine is not installed", allow_module_level=True)
+
+HIDDEN, FFN, HEADS, SEQ, BATCH = 1024, 4096, 8, 1024, 4
+LAYERS, K = 6, 2
+
+
+@pytest.fixture(scope="module")
+def te():
+    import_transformer_engine()
+    import transformer_engine.pytorch as te
+
+    return te
+
+
+def tutorial_model(te, cuda) -> torch.nn.ModuleList:
+    """The shape of TE's CPU-offloading tutorial: each layer a Linear and a TE TransformerLayer."""
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(
+        torch.nn.Sequential(
+            torch.nn.Linear(HIDDEN, HIDDEN),
+            te.TransformerLayer(HIDDEN, FFN, HEADS, hidden_dropout=0.0, attention_dropout=0.0,
+                                attn_input_format="bshd"),
+        )
+        for _ in range(LAYERS)
+    )
+    return layers.to(device=cuda, dtype=torch.bfloat16)
+
+
+def data(cuda) -> torch.Tensor:
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randn(BATCH, SEQ, HIDDEN, generator=gen, dtype=torch.bfloat16)
+    return x.to(cuda).requires_grad_()
+
+
+def test_gpu_te_tutorial_loop_runs_unchanged_and_offloads_everything_the_layers_hold(te, cuda):
+    """The tutorial's loop, with this package's get_cpu_offload_context: the k offloaded layers give
+    up at least 97% of what their forwards hold (measured by the allocator, not by any engine)."""
+    model, x = tutorial_model(te, cuda), data(cuda)
+    measure_steps(model, x, steps=1, warmup=1)  # TE's workspaces and caches exist from here on
+    held = _held_bytes(model, x)
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=K, model_layers=LAYERS)
+    h = x
+    for layer in model:  # the tutorial's loop, as written there
+        with ctx:
+            h = layer(h)
+        h = sync(h)
+    h.sum().backward()
+    offloaded = sum(s.offloaded_bytes for s in ctx.stats[:K])
+    assert offloaded >= 0.97 * sum(held[:K]), (offloaded, held[:K])
+
+
+def test_gpu_te_gpu_plus_host_bytes_equal_the_bytes_without_offloading(te, cuda):
+    """After the forward, GPU memory with offloading plus what went to the host equals GPU memory
+    without offloading (within 10% of the offloaded bytes): no stray reference keeps an offloaded
+    tensor on the GPU. Then the backward gives everything back (a leak check)."""
+    model, x = tutorial_model(te, cuda), data(cuda)
+    measure_steps(model, x, steps=1, warmup=1)
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=K, model_layers=LAYERS,
+                                        retain_pinned_cpu_buffers=True)
+
+    def forward(ctx=None, sync=None):
+        h = x
+        for layer in model:
+            with ctx or contextlib.nullcontext():
+                h = layer(h)
+            h = sync(h) if sync else h
+        return h
+
+    measure_steps(model, x, ctx, sync, steps=1, warmup=1)  # pins the host buffers once
+    gc.collect()
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    plain = forward()
+    torch.cuda.synchronize()
+    without = torch.cuda.memory_allocated() - start
+    del plain
+    h = forward(ctx, sync)
+    torch.cuda.synchronize()
+    with_offload = torch.cuda.memory_allocated() - start
+    released = sum(s.offloaded_bytes for s in ctx.stats[:K])
+    assert released > 0
+    assert abs(with_offload + released - without) <= 0.1 * released, (with_offload, released, without)
+    h.float().sum().backward()
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    del h
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == start, "memory not given back after the backward"
+    assert ctx.live_views == 0 and ctx.resident_bytes == 0
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "DelayedScaling", "Float8CurrentScaling"])
+def test_gpu_te_gradients_are_bitwise_equal_under_every_recipe(te, cuda, recipe):
+    """Offloading changes no bit of the output or of any gradient, in bf16 and under FP8 autocast."""
+    if recipe != "bf16":
+        from transformer_engine.common import recipe as recipes
+
+        fp8_recipe = getattr(recipes, recipe)()
+
+        def autocast():
+            return te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe)
+    else:
+        autocast = contextlib.nullcontext
+    x = data(cuda)
+
+    def steps(ctx=None, sync=None):
+        model = tutorial_model(te, cuda)  # a fresh model each time: FP8 scaling state starts anew
+        with autocast():
+            return measure_steps(model, x, ctx, sync, steps=2, warmup=1)
+
+    ref, again = steps(), steps()
+    assert compare_grads(ref, again).equal, "the run without offloading is not deterministic here"
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=K, model_layers=LAYERS)
+    got = steps(ctx, sync)
+    check = compare_grads(ref, got)
+    assert check.equal, check
+    assert sum(s.offloaded_bytes for s in ctx.stats) > 0
