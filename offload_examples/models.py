@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from typing import Literal
 
@@ -36,6 +37,9 @@ def import_transformer_engine() -> bool:
         return True
     if not has_transformer_engine():
         return False
+    # The scenarios and tests compare gradients bit for bit: ask TE for its deterministic kernels
+    # (as Megatron-LM's deterministic mode does). Set the variable yourself to choose otherwise.
+    os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
     if torch.cuda.is_initialized():
         raise RuntimeError("import transformer_engine.pytorch before CUDA starts: CUDA is already initialised, so a "
                            "system cuDNN may be loaded in place of Transformer Engine's; call "
