@@ -118,7 +118,8 @@ class _StorageRecord:
         # in-place change can be detected; then only weakly.
         self.original: torch.Tensor | None = t.detach()
         self.version = t._version
-        self.original_ref = weakref.ref(t)
+        # After release: any live tensor sharing the version counter (a view's base often outlives it).
+        self.original_ref = [weakref.ref(x) for x in (t, t._base) if x is not None]
         self.host: HostBuffer | None = None  # attached once its copy is queued
         self.offloaded: torch.cuda.Event | None = None
         self.reloaded: torch.cuda.Event | None = None
@@ -161,8 +162,8 @@ class _StorageRecord:
             raise capture_mismatch_error(self.layer, self.captured, what)
 
     def check_version(self) -> None:
-        t = self.original if self.original is not None else self.original_ref()
-        if t is not None and t._version != self.version:
+        alive = [self.original] if self.original is not None else [r() for r in self.original_ref]
+        if any(t is not None and t._version != self.version for t in alive):
             raise in_place_error(self.layer)
 
     def drop_device(self, capturing: bool) -> None:
@@ -172,6 +173,10 @@ class _StorageRecord:
             return
         if self.captured == capturing:
             Streams.fence(self.home, self.offloaded, self.reloaded)
+            if self.reloaded is None and self.offloaded is not None and not self.offloaded.query():
+                # The copy out still reads the block, which may belong to another stream's pool
+                # than the home's (a tensor made on one stream and saved on another): mark it.
+                self.device.record_stream(self.streams.d2h)
         # else the waits would cross a capture's edge, which CUDA forbids; they are not needed:
         # the device was synchronized before the capture, and a graph's copies finish inside it.
         self.device = None
@@ -283,6 +288,7 @@ class OffloadEngine:
         self._warned: set[str] = set()
         self.iteration = -1
         self._in_layer = False
+        self._passthrough = False  # entered under no_grad: saves nothing, counts for nothing
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._new_iteration()
 
@@ -417,6 +423,10 @@ class OffloadEngine:
     def __enter__(self) -> OffloadEngine:
         if self._in_layer:
             raise RuntimeError("the offload context is already active: it cannot be nested")
+        if not torch.is_grad_enabled():  # nothing is saved for backward: not an entry of the step
+            self._passthrough = True
+            return self
+        self._passthrough = False
         if getattr(_active, "engine", None) is not None:
             raise RuntimeError(
                 "another offload context is already active in this thread: contexts cannot be nested "
@@ -451,6 +461,9 @@ class OffloadEngine:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if self._passthrough:
+            self._passthrough = False
+            return
         self._hooks.__exit__(exc_type, exc, tb)
         self._hooks = None
         self._in_layer = False
@@ -481,10 +494,11 @@ class OffloadEngine:
             raise RuntimeError("sync must be called after leaving the offload context, not inside it")
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"sync expects the layer's output tensor, got {type(x).__name__}")
+        if not x.requires_grad:  # no backward will come (a no_grad pass): nothing to hook
+            return x
         if self._entered == 0:
             raise RuntimeError("sync was called before any layer ran inside the offload context")
-        if x.requires_grad:
-            x.register_hook(functools.partial(_grad_hook, weakref.ref(self), self.iteration, self._entered - 1))
+        x.register_hook(functools.partial(_grad_hook, weakref.ref(self), self.iteration, self._entered - 1))
         return x
 
     # ------------------------------------------------------------------ the three actions
@@ -557,6 +571,9 @@ class OffloadEngine:
         """What the schedule asks for when ``phase`` of ``layer`` starts."""
         for action, i in self.schedule.actions(phase, layer):
             why = f"the {action} came at the {phase} of layer {layer}"
+            target = LayerState.RELEASED if action == "release" else LayerState.RELOADING
+            if not self.schedule.strict and self.layer_state[i] not in ALLOWED_FROM[target]:
+                continue  # the step did not run as many layers as the schedule counts: warned at backward
             if action == "release":
                 self._release(i, why)
             else:

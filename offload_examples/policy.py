@@ -51,9 +51,10 @@ def _is_leaf_weight(x: torch.Tensor) -> bool:
 def is_weight_like(t: torch.Tensor) -> bool:
     """Parameters, leaves that require grad, their views, and autocast's casts of them."""
     if t._base is not None:
-        # A view is judged by its base: views made inside a custom Function's forward carry
-        # requires_grad without a grad_fn, yet their base is an activation.
-        return _is_leaf_weight(t._base)
+        # A view is judged by its base (a weight, or autocast's cast of one, seen through `.t()`):
+        # views made inside a custom Function's forward carry requires_grad without a grad_fn,
+        # yet their base is an activation.
+        return is_weight_like(t._base)
     if _is_leaf_weight(t):
         return True
     fn = t.grad_fn
@@ -83,10 +84,13 @@ def keep_reason(t: torch.Tensor, device: torch.device, min_bytes: int) -> str | 
     nbytes = t.untyped_storage().nbytes()
     if nbytes == 0 or nbytes < min_bytes:
         return "smaller than min_offload_bytes"
-    root = t._base if t._base is not None else t
-    if root.grad_fn is None and not root.requires_grad:
-        return NOT_FROM_AUTOGRAD
-    return None
+    if _from_autograd(t) or (t._base is not None and _from_autograd(t._base)):
+        return None
+    return NOT_FROM_AUTOGRAD
+
+
+def _from_autograd(x: torch.Tensor) -> bool:
+    return x.grad_fn is not None or x.requires_grad
 
 
 def held_elsewhere(storage_view: torch.Tensor, ours: int) -> bool:

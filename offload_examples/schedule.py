@@ -61,6 +61,9 @@ class DefaultSchedule:
     offload_at_exit = True
     #: The synchronizer's methods may not drive it.
     hand_driven = False
+    #: Its actions are skipped, not refused, when a layer is not where they expect it (a step that
+    #: entered the context fewer or more times than ``model_layers``): the engine warns instead.
+    strict = False
     #: What to do when a reload had to happen on demand.
     reload_hint = "pass each layer's output through sync() so reloads start ahead of time"
 
@@ -220,6 +223,7 @@ class SyncDictSchedule:
     copy_on_save = False
     offload_at_exit = True
     hand_driven = True  # the dict drives the synchronizer
+    strict = True  # a trigger that finds its layer elsewhere is a wrong dict: it raises
     releases_before_backward = False
     reload_hint = "pass each layer's output through sync() so backward triggers are seen"
 
@@ -325,6 +329,7 @@ class ManualSchedule:
     copy_on_save = False
     offload_at_exit = False
     hand_driven = True
+    strict = True
     releases_before_backward = False
     reload_hint = "call start_reload_layer() before its backward"
 

@@ -31,6 +31,8 @@ class OffloadSynchronizer:
     def start_offload_layer(self, layer_id: int) -> None:
         """Queue layer ``layer_id``'s device-to-host copies (its forward must have ended)."""
         e = self._check(layer_id, "start_offload_layer")
+        if e.layer_state[layer_id] is LayerState.RUNNING:  # __exit__ moves it on, not the caller
+            raise RuntimeError(f"start_offload_layer({layer_id}): layer {layer_id} {LayerState.RUNNING.value}")
         with e._lock:
             e._move(layer_id, LayerState.OFFLOADING, f"start_offload_layer({layer_id}) was called")
             e._start_offload(layer_id)

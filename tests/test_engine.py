@@ -252,7 +252,8 @@ def test_parameters_are_never_offloaded():
         assert layer_stats.offloaded_bytes < sum(p.numel() * 4 for p in model.parameters())
     for records in ctx._records:
         for rec in records:
-            assert rec.original_ref() is None or rec.original_ref().untyped_storage().data_ptr() not in param_storages
+            for ref in rec.original_ref:
+                assert ref() is None or ref().untyped_storage().data_ptr() not in param_storages
 
 
 def test_small_tensors_stay():

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from offload_examples import OffloadWarning, SyncDictSchedule, get_cpu_offload_context
+from offload_examples.models import build_linear_stack
 
 CPU = torch.device("cpu")
 N = 4  # entries of the context per iteration: layers 0 and 1 are offloaded in every mode
@@ -461,3 +462,103 @@ def test_a_view_of_caller_owned_data_is_not_offloaded():
         tanh_bytes = 8 * 64 * 4  # layer 0 saves batch[1] (for the Linear) and the Tanh output
         assert ctx.stats[0].offloaded_bytes == tanh_bytes != batch_bytes
         assert ctx.stats[0].offloaded_storages == 1
+
+
+# ---------------------------------------------------------------- found by a review
+def test_entries_under_no_grad_do_not_count():
+    """An evaluation pass under no_grad inside the context (a shorter stack, an early exit) saves
+    nothing and must not shift the next training step's layers."""
+    model, x = build_linear_stack(4, 16), data()
+    expected = run(model, x)
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=2, model_layers=4, device="cpu")
+    with torch.no_grad():
+        h = x
+        for layer in model[:2]:
+            with ctx:
+                h = layer(h)
+            h = sync(h)
+    assert same(expected, run(model, x, ctx, sync))
+    assert ctx.phase_order()[:4] == [("forward", j) for j in range(4)]
+    assert [s.offloaded_bytes > 0 for s in ctx.stats] == [True, True, False, False]
+
+
+@pytest.mark.parametrize("entries", [3, 6])
+def test_a_step_with_another_number_of_layers_warns_and_stays_correct(entries):
+    """The default schedule counts layers by position: a step of 3 or 6 layers with model_layers=4
+    warns, reloads what it must on demand, and computes the right gradients (it once raised)."""
+    model, x = build_linear_stack(entries, 16), data()
+    expected = run(model, x)
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=2, model_layers=4, device="cpu")
+    with pytest.warns(OffloadWarning) as caught:
+        got = run(model, x, ctx, sync)
+    assert same(expected, got)
+    assert any("model_layers=4" in str(w.message) for w in caught)
+
+
+def test_autocast_weight_casts_seen_through_a_transpose_stay():
+    """nn.Linear under autocast saves `weight_bf16.t()`, a view of autocast's cached cast: a copy
+    would free nothing (the cache holds it), so it stays on the device."""
+    model = torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(3))
+    x = torch.randn(4, 256, requires_grad=True)
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=2, model_layers=3, device="cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = x
+        for layer in model:
+            with ctx:
+                h = torch.tanh(layer(h))
+            h = sync(h)
+    h.float().sum().backward()
+    weight_cast = 256 * 256 * 2
+    assert 0 < ctx.stats[1].offloaded_bytes < weight_cast, ctx.stats[1]
+
+
+def test_a_layer_output_that_views_a_custom_function_buffer_is_offloaded():
+    """A custom Function returning a view of its own padded buffer (flash-attention style): the
+    output is made by autograd, so the layers that save it offload it."""
+
+    class Padded(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            padded = torch.nn.functional.pad(x, (0, 8)) * 2
+            return padded[..., : x.shape[-1]]
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    lin = build_linear_stack(3, 16)
+    model = torch.nn.ModuleList(torch.nn.Sequential(layer, torch.nn.Tanh()) for layer in lin)
+    x = data()
+
+    def step(ctx=None, sync=None):
+        h = x
+        for layer in model:
+            with ctx or torch.enable_grad():
+                h = layer(Padded.apply(h))
+            h = sync(h) if sync else h
+        h.square().mean().backward()
+        return grads(model, x)
+
+    expected = step()
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=2, model_layers=3, device="cpu")
+    assert same(expected, step(ctx, sync))
+    # layer 1's first op saves layer 0's output, a view of Padded's buffer: once left on the device
+    assert ctx.stats[1].offloaded_bytes >= 8 * (16 + 8) * 4, ctx.stats[1]
+
+
+def test_in_place_change_after_release_through_the_base_is_caught():
+    """A saved temporary view of caller data (`a.view(-1)`) dies after its op, but its base lives:
+    an in-place change of the base after the release must still raise, as autograd does."""
+    a = torch.randn(64, 16)
+    w = torch.randn(16 * 64, requires_grad=True)
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2, device="cpu",
+                                        min_offload_bytes=0)
+    with ctx:
+        h = (w * a.view(-1) * 1.0).sum().reshape(1)
+    h = sync(h)
+    with ctx:
+        out = h * 2
+    out = sync(out)
+    a.add_(1)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        out.sum().backward()
