@@ -91,3 +91,37 @@ def test_gpu_default_reload_triggered_on_a_side_stream_is_read_safely(cuda):
         assert torch.equal(inp.grad, inp.detach()), "the backward read memory another stream had overwritten"
         inp.grad = None
         del junk
+
+
+def test_gpu_a_tensor_made_on_one_stream_and_saved_on_another_is_released_safely(cuda):
+    """The tensor's block belongs to the compute stream's pool, but the layer that saves it runs on a
+    side stream. When the release comes while the copy out is still queued (a busy link), the
+    compute stream must not get the block back before the copy has read it."""
+    compute, side, d2h = torch.cuda.current_stream(), torch.cuda.Stream(), torch.cuda.Stream()
+    inp = (torch.rand(N, device=cuda) + 1.0).requires_grad_()
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=2, model_layers=4, offload_stream=d2h)
+    for _ in range(3):
+        with torch.cuda.stream(d2h):
+            torch.cuda._sleep(200_000_000)  # the offload stream is busy: the copy out waits
+        with ctx:
+            h = inp * 1.0  # layer 0, on the compute stream
+        h = sync(h)
+        side.wait_stream(compute)
+        with torch.cuda.stream(side):  # layer 1 runs on a side stream and saves h
+            with ctx:
+                h1 = SlowRead.apply(h)
+            h1 = sync(h1)
+        compute.wait_stream(side)
+        del h
+        with ctx:
+            h2 = h1 + 1.0
+        h2 = sync(h2)
+        with ctx:  # entering layer 3 releases layer 1; the compute stream allocates right after
+            junk = torch.full((N,), -1.0, device=cuda)
+            h3 = h2 * 1.0
+        h3 = sync(h3)
+        h3.sum().backward()
+        torch.cuda.synchronize()
+        assert torch.equal(inp.grad, inp.detach()), "the copy out read memory the compute stream had reused"
+        inp.grad = None
+        del junk
