@@ -28,7 +28,6 @@ Run it::
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import gc
@@ -45,17 +44,23 @@ import torch
 from torch import nn
 
 from offload_examples import DefaultSchedule, get_cpu_offload_context
+from offload_examples.cli import (
+    ArgumentParser, add_device, check_sizes, default_device, nonnegative_int, output_folder_arg, positive_int,
+)
 from offload_examples.measure import measure_paired, measure_steps, paired_overhead
 from offload_examples.memory_history import MemoryCurve, record_memory_curve
 from offload_examples.models import (
     TE_LAYER, Checkpointed, build_basic_model, has_transformer_engine, import_transformer_engine, layer_kind,
 )
-from offload_examples.report import ProgressBar, format_bytes, format_markdown_table, write_json
+from offload_examples.report import CPU_TIMING_NOTE, ProgressBar, format_bytes, format_markdown_table, write_json
 from offload_examples.timeline import Span, achieved_gb_per_s, record_layer_timeline
 
-__all__ = ["MODELS", "STRATEGIES", "BenchConfig", "ModelSpec", "main", "run", "write_outputs"]
+__all__ = ["MODELS", "PLOTS_MISSING", "STRATEGIES", "BenchConfig", "ModelSpec", "main", "run", "write_outputs"]
 
 GiB = 2**30
+
+#: The error when the plots extra (matplotlib) is missing.
+PLOTS_MISSING = "install offload_examples[plots] (matplotlib) to draw the benchmark's plots, or pass --no-plots"
 
 #: Strategy names, in the order they run.
 STRATEGIES = (
@@ -120,6 +125,11 @@ class BenchConfig:
         return cls(**{**base, **changes})
 
     def __post_init__(self) -> None:
+        check_sizes(self)
+        if not (self.models and self.ks and self.strategies):
+            raise ValueError("models, ks and strategies each need at least one value")
+        if self.layers < 2:
+            raise ValueError(f"layers must be at least 2 (k is between 1 and layers - 1), got {self.layers}")
         unknown = [m for m in self.models if m not in MODELS] + [s for s in self.strategies if s not in STRATEGIES]
         if unknown:
             raise ValueError(f"unknown models or strategies {unknown}; models: {list(MODELS)}, "
@@ -418,6 +428,7 @@ def run(config: BenchConfig | None = None, device: torch.device | str | None = N
     bar.show("measuring the host<->device link")
     link = _link(device)
     results = {
+        "device_type": device.type,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "config": dataclasses.asdict(config),
@@ -468,6 +479,8 @@ def markdown(results: dict[str, Any]) -> str:
     """The results as Markdown: the link, one table per model, the targets."""
     link = results["link_gb_per_s"]
     parts = [f"Device: {results['device']}, torch {results['torch']}."]
+    if results.get("device_type") == "cpu":
+        parts.append(CPU_TIMING_NOTE)
     if link:
         parts.append(f"Pinned copy bandwidth measured in this run: host-to-device {link['h2d']:.1f} GB/s, "
                      f"device-to-host {link['d2h']:.1f} GB/s, both at once {link['both']:.1f} GB/s in total.")
@@ -509,8 +522,23 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def write_outputs(results: dict[str, Any], out: str | Path) -> list[Path]:
-    """Write ``bench.json``, ``bench.md`` and the plots into ``out``; returns the paths."""
+def write_outputs(results: dict[str, Any], out: str | Path, plots: bool = True) -> list[Path]:
+    """Write ``bench.json``, ``bench.md`` and (with ``plots``) the plots into ``out``; returns the paths.
+
+    The plots need matplotlib (the ``plots`` extra); without it an ``ImportError`` says so.
+    """
+    if plots and importlib.util.find_spec("matplotlib") is None:
+        raise ImportError(PLOTS_MISSING)
+    out = Path(out)
+    paths = [write_json(out / "bench.json", results)]
+    (out / "bench.md").write_text(markdown(results))
+    paths.append(out / "bench.md")
+    if plots:
+        paths += _write_plots(results, out)
+    return paths
+
+
+def _write_plots(results: dict[str, Any], out: Path) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -518,10 +546,7 @@ def write_outputs(results: dict[str, Any], out: str | Path) -> list[Path]:
 
     from offload_examples.plots import plot_bench_memory_time, plot_bench_overhead, plot_memory_curves, plot_timeline
 
-    out = Path(out)
-    paths = [write_json(out / "bench.json", results)]
-    (out / "bench.md").write_text(markdown(results))
-    paths.append(out / "bench.md")
+    paths = []
     figures: dict[str, Any] = {"memory_vs_time.png": plot_bench_memory_time(results),
                                "overhead_vs_k.png": plot_bench_overhead(results)}
     first = results["models"][0]
@@ -541,25 +566,41 @@ def write_outputs(results: dict[str, Any], out: str | Path) -> list[Path]:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m offload_examples.bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
-    parser.add_argument("--tiny", action="store_true", help="the CPU-sized grid on any device")
-    parser.add_argument("--models", nargs="+", choices=list(MODELS))
-    parser.add_argument("--ks", nargs="+", type=int, help="numbers of treated layers")
-    parser.add_argument("--strategies", nargs="+", choices=list(STRATEGIES))
-    parser.add_argument("--layers", type=int)
-    parser.add_argument("--steps", type=int, help="measured steps per run (median reported)")
-    parser.add_argument("--warmup", type=int)
-    parser.add_argument("--out", default="results/bench", help="folder for bench.json, bench.md and plots")
+    full, tiny = BenchConfig(), BenchConfig.tiny()
+    parser = ArgumentParser("offload_examples.bench", description=__doc__.split("\n")[0])
+    add_device(parser)
+    parser.add_argument("--tiny", action="store_true", help="the CPU-sized grid on any device (the default on a CPU)")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS),
+                        help=f"models of the grid (default: {' '.join(full.models)}; {' '.join(tiny.models)} tiny)")
+    parser.add_argument("--ks", nargs="+", type=positive_int, metavar="K",
+                        help=f"numbers of treated layers, each 1 to layers - 1 (default: {' '.join(map(str, full.ks))}; "
+                             f"{' '.join(map(str, tiny.ks))} tiny)")
+    parser.add_argument("--strategies", nargs="+", choices=list(STRATEGIES), metavar="STRATEGY",
+                        help=f"strategies to run, of: {', '.join(map(repr, STRATEGIES))} (default: all)")
+    parser.add_argument("--layers", type=positive_int, metavar="N",
+                        help=f"layers per model (default: {full.layers}; {tiny.layers} tiny)")
+    parser.add_argument("--steps", type=positive_int, metavar="N",
+                        help=f"measured steps per run, whose median is reported (default: {full.steps}; {tiny.steps} tiny)")
+    parser.add_argument("--warmup", type=nonnegative_int, metavar="N",
+                        help=f"unmeasured steps per run (default: {full.warmup}; {tiny.warmup} tiny)")
+    parser.add_argument("--out", type=output_folder_arg, default="results/bench", metavar="FOLDER",
+                        help="folder for bench.json, bench.md and the plots, created if missing")
+    parser.add_argument("--no-plots", action="store_true",
+                        help="write bench.json and bench.md only (no matplotlib needed)")
     args = parser.parse_args(argv)
-    import_transformer_engine()  # before CUDA starts, when installed
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if not args.no_plots and importlib.util.find_spec("matplotlib") is None:
+        parser.error(PLOTS_MISSING)
+    device = args.device or default_device()
     changes = {k: tuple(v) if isinstance(v, list) else v for k, v in vars(args).items()
                if k in {f.name for f in dataclasses.fields(BenchConfig)} and v is not None}
-    config = BenchConfig.tiny(**changes) if args.tiny or device.type != "cuda" else BenchConfig(**changes)
+    try:
+        config = BenchConfig.tiny(**changes) if args.tiny or device.type != "cuda" else BenchConfig(**changes)
+    except ValueError as e:  # values that are fine alone but not together, e.g. a k >= --layers
+        parser.error(str(e))
+    import_transformer_engine()  # before CUDA starts, when installed
     results = run(config, device)
     print(markdown(results))
-    for path in write_outputs(results, args.out):
+    for path in write_outputs(results, args.out, plots=not args.no_plots):
         print(f"wrote {path}")
     if any(r["status"] == "failed" for m in results["models"] for r in m["runs"]):
         print("some strategies failed; see the table", file=sys.stderr)

@@ -8,7 +8,19 @@ import time
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
-__all__ = ["ProgressBar", "format_bytes", "format_markdown_table", "format_table", "write_json"]
+__all__ = [
+    "CPU_TIMING_NOTE", "ProgressBar", "cpu_timing_note", "format_bytes", "format_markdown_table", "format_table",
+    "write_json",
+]
+
+#: The line a report run on a CPU adds under its step times.
+CPU_TIMING_NOTE = ("(CPU run: the step times only show that the code runs; they measure nothing about "
+                   "offloading, which frees GPU memory and hides its copies behind GPU compute)")
+
+
+def cpu_timing_note(report: dict[str, Any]) -> list[str]:
+    """``[CPU_TIMING_NOTE]`` for a report whose ``device_type`` is ``"cpu"``, else ``[]``."""
+    return [CPU_TIMING_NOTE] if report.get("device_type") == "cpu" else []
 
 
 def format_bytes(n: int | float | None) -> str:

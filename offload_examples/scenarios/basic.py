@@ -31,9 +31,10 @@ from typing import Any, Callable, Sequence
 import torch
 
 from offload_examples import get_cpu_offload_context
+from offload_examples.cli import check_sizes
 from offload_examples.measure import compare_grads, deterministic_kernels, measure_steps, resident_vs_theory
 from offload_examples.models import build_basic_model
-from offload_examples.report import format_bytes, format_table
+from offload_examples.report import cpu_timing_note, format_bytes, format_table
 from offload_examples.scenarios.cli import scenario_main
 
 __all__ = ["BasicConfig", "format_report", "main", "run"]
@@ -56,6 +57,9 @@ class BasicConfig:
     kind: str = "auto"
     retain_pinned: bool = True
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_sizes(self)
 
     @classmethod
     def small(cls, **changes: Any) -> BasicConfig:
@@ -106,6 +110,7 @@ def run(
     saving = None if without.peak_bytes is None else without.activation_peak_bytes - with_.activation_peak_bytes
     return {
         "scenario": "basic",
+        "device_type": device.type,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "config": dataclasses.asdict(config),
@@ -151,13 +156,14 @@ def format_report(report: dict[str, Any]) -> str:
          f"{report['grads_equal']} ({report['grads_compared']} tensors, max |diff| {report['max_abs_diff']:.3g})"),
         ("resident bytes follow the schedule", str(report["resident_matches_theory"])),
     ]
-    return format_table(rows, header=("basic scenario", ""))
+    return "\n".join([format_table(rows, header=("basic scenario", "")), *cpu_timing_note(report)])
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return scenario_main("basic", __doc__, BasicConfig, run, format_report, argv,
                          extra=lambda p: p.add_argument("--no-retain-pinned", dest="retain_pinned", action="store_false",
-                                                        default=None))
+                                                        default=None, help="empty the pinned host buffers after "
+                                                        "every step (default: keep them for the next step)"))
 
 
 if __name__ == "__main__":

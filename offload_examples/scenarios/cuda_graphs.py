@@ -42,8 +42,9 @@ from offload_examples.measure import (
     GradCheck, Measurement, compare_grads, deterministic_kernels, measure_steps, resident_vs_theory, snapshot,
     training_step,
 )
+from offload_examples.cli import check_sizes
 from offload_examples.models import build_basic_model
-from offload_examples.report import format_bytes, format_table
+from offload_examples.report import cpu_timing_note, format_bytes, format_table
 from offload_examples.scenarios.cli import scenario_main
 from offload_examples.timeline import overlap_ms, record_timeline
 
@@ -69,6 +70,9 @@ class GraphsConfig:
     warmup: int = 3
     kind: str = "torch"
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_sizes(self)
 
     @classmethod
     def small(cls, **changes: Any) -> GraphsConfig:
@@ -150,6 +154,7 @@ def run(
 def _base_report(config: GraphsConfig, device: torch.device, theory: int, ctx) -> dict[str, Any]:
     return {
         "scenario": "cuda-graphs",
+        "device_type": device.type,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "config": dataclasses.asdict(config),
@@ -244,7 +249,7 @@ def format_report(report: dict[str, Any]) -> str:
     else:
         lines.append(f"capture needs CUDA; graph-safe path run eagerly: "
                      f"{report['pinned_allocations_after_freeze']} host buffers pinned after the warm-up")
-    return "\n".join(lines)
+    return "\n".join(lines + cpu_timing_note(report))
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

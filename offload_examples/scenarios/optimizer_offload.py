@@ -20,22 +20,23 @@ The heart of it::
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import math
 import os
 import platform
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 
+from offload_examples.cli import check_sizes, fractions_arg
 from offload_examples.measure import StepReport, training_step
 from offload_examples.models import build_linear_stack
 from offload_examples.optim_offload import OptimizerOffload
-from offload_examples.report import format_bytes, format_table, write_json
+from offload_examples.report import cpu_timing_note, format_bytes, format_table
+from offload_examples.scenarios.cli import scenario_main
 
 __all__ = ["OptimizerConfig", "format_report", "main", "run"]
 
@@ -54,6 +55,13 @@ class OptimizerConfig:
     steps: int = 10
     warmup: int = 2
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_sizes(self)
+        if not self.fractions or not all(math.isfinite(f) and 0.0 <= f <= 1.0 for f in self.fractions):
+            raise ValueError(f"fractions must be one or more numbers between 0 and 1, got {self.fractions}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a positive number, got {self.lr}")
 
     @classmethod
     def small(cls, **changes: Any) -> OptimizerConfig:
@@ -151,6 +159,7 @@ def run(
     zero = [r for r in rows if r["fraction"] == 0.0]
     return {
         "scenario": "optimizer-offload",
+        "device_type": device.type,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "config": dataclasses.asdict(config),
@@ -186,31 +195,18 @@ def format_report(report: dict[str, Any]) -> str:
         f"Linear], fp32, Adam lr {c['lr']:g}",
         format_table(table, header=header),
         f"fraction 0 (and, on a CPU, every fraction) bitwise equal to plain Adam: {report['grads_equal']}",
+        *cpu_timing_note(report),
     ])
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m offload_examples optimizer-offload",
-                                     description=__doc__.split("\n")[0])
-    parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
-    parser.add_argument("--small", action="store_true", help="use the small CPU-sized model on any device")
-    for name in ("layers", "width", "seq", "batch", "steps", "warmup", "seed"):
-        parser.add_argument(f"--{name}", type=int)
-    parser.add_argument("--fractions", type=lambda s: [float(f) for f in s.split(",")],
-                        help="comma-separated, e.g. 0,0.5,1")
-    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    changes = {k: v for k, v in vars(args).items()
-               if k in {f.name for f in dataclasses.fields(OptimizerConfig)} and v is not None}
-    config = OptimizerConfig.small(**changes) if args.small else OptimizerConfig.for_device(device, **changes)
-    report = run(config, device, progress=lambda s: print(s, flush=True))
-    print(format_report(report))
-    if args.json:
-        print(f"wrote {write_json(args.json, report)}")
-    if not report["grads_equal"]:
-        sys.exit("parameters differ from the plain optimizer where they must be equal")
-    return report
+    def fractions(parser):
+        parser.add_argument("--fractions", type=fractions_arg, metavar="F,F,...",
+                            help="fractions of the parameters whose state is offloaded, comma-separated "
+                                 "(default: 0,0.25,0.5,0.75,1)")
+
+    return scenario_main("optimizer-offload", __doc__, OptimizerConfig, run, format_report, argv, extra=fractions,
+                         failure="parameters differ from the plain optimizer where they must be equal")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ The same schedule written with the manual synchronizer is :func:`manual_step`. R
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import os
@@ -37,9 +36,10 @@ import torch
 from torch import nn
 
 from offload_examples import get_cpu_offload_context
+from offload_examples.cli import ArgumentParser, add_device, add_json, check_kind, check_sizes, default_device
 from offload_examples.measure import compare_grads, deterministic_kernels, measure_steps, resident_vs_theory
-from offload_examples.models import build_basic_model
-from offload_examples.report import format_bytes, format_table, write_json
+from offload_examples.models import build_basic_model, import_transformer_engine
+from offload_examples.report import cpu_timing_note, format_bytes, format_table, write_json
 from offload_examples.schedule import parse_order, sync_dict_for_order
 
 __all__ = ["ORDER", "SYNC_DICT", "PipelineConfig", "format_report", "main", "manual_step", "pipeline_step", "run"]
@@ -73,6 +73,11 @@ class PipelineConfig:
     warmup: int = 2
     kind: str = "auto"
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_sizes(self)
+        if self.microbatches != 8:
+            raise ValueError(f"the scenario's order and schedule are written for 8 micro-batches, got {self.microbatches}")
 
     @classmethod
     def small(cls, **changes: Any) -> PipelineConfig:
@@ -240,6 +245,7 @@ def run(
         }
     return {
         "scenario": "pipeline",
+        "device_type": device.type,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "config": dataclasses.asdict(config),
@@ -262,17 +268,22 @@ def format_report(report: dict[str, Any]) -> str:
                      format_bytes(c["theoretical_saving_bytes"]), ratio, format_bytes(c["offloaded_bytes"]),
                      f"{c['step_ms']:.1f} ms", f"{c['overhead']:+.1%}", str(c["grads_equal"])))
     header = ("case", "peak", "saving", "theory", "ratio", "to host", "step", "overhead", "grads equal")
-    return f"pipeline scenario on {report['device']}, order {report['order']}\n" + format_table(rows, header=header)
+    return "\n".join([f"pipeline scenario on {report['device']}, order {report['order']}",
+                      format_table(rows, header=header), *cpu_timing_note(report)])
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m offload_examples pipeline", description=__doc__.split("\n")[0])
-    parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
-    parser.add_argument("--small", action="store_true", help="use the small CPU-sized model on any device")
-    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    parser = ArgumentParser("offload_examples pipeline", description=__doc__.split("\n")[0])
+    add_device(parser)
+    parser.add_argument("--small", action="store_true",
+                        help="use the small CPU-sized model on any device (the default on a CPU)")
+    add_json(parser)
     args = parser.parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = args.device or default_device()
     config = PipelineConfig.small() if args.small else PipelineConfig.for_device(device)
+    if (why := check_kind(config.kind, device)) is not None:
+        parser.error(why)
+    import_transformer_engine()  # when installed: before CUDA starts
     report = run(config, device, progress=lambda s: print(s, flush=True))
     print(format_report(report))
     if args.json:

@@ -16,8 +16,8 @@ peak memory. Run it::
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import socket
@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from offload_examples import get_cpu_offload_context, mark_not_offload
+from offload_examples.cli import ArgumentParser, add_json, check_sizes
 from offload_examples.measure import deterministic_kernels
 from offload_examples.models import build_basic_model
 from offload_examples.report import format_bytes, format_table, write_json
@@ -58,6 +59,11 @@ class DistConfig:
     dtype: str = "bfloat16"
     steps: int = 3
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_sizes(self, offload_of="layers_per_stage")
+        if self.stages < 2:
+            raise ValueError(f"a pipeline needs at least 2 stages, got {self.stages}")
 
     @classmethod
     def small(cls, **changes: Any) -> DistConfig:
@@ -230,7 +236,8 @@ def run(config: DistConfig | None = None, backend: str = "auto") -> dict[str, An
                                     nprocs=config.stages, join=True)
         ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(config.stages)]
     device = torch.cuda.get_device_name(0) if backend == "nccl" else "cpu"
-    return {"scenario": "pipeline-dist", "backend": backend, "device": device, "torch": torch.__version__,
+    return {"scenario": "pipeline-dist", "backend": backend, "device_type": "cuda" if backend == "nccl" else "cpu",
+            "device": device, "torch": torch.__version__,
             "config": dataclasses.asdict(config), "ranks": ranks,
             "grads_equal": all(r["grads_equal"] for r in ranks)}
 
@@ -249,19 +256,35 @@ def format_report(report: dict[str, Any]) -> str:
     c = report["config"]
     head = (f"{c['stages']}-stage 1F1B pipeline ({report['backend']}, {report['device']}), "
             f"{c['layers_per_stage']} layers per stage, first {c['offload']} offloaded, {c['microbatches']} micro-batches")
-    return head + "\n" + format_table(rows, header=("rank", "peak without", "peak with", "saving", "theory",
-                                                     "ratio", "to host", "step without / with", "grads equal"))
+    table = format_table(rows, header=("rank", "peak without", "peak with", "saving", "theory", "ratio", "to host",
+                                       "step without / with", "grads equal"))
+    return head + "\n" + table  # no step times on a CPU (n/a), so no note that they measure nothing
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m offload_examples pipeline-dist", description=__doc__.split("\n")[0])
-    parser.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"])
-    parser.add_argument("--device", choices=["cpu", "cuda"], help="cpu means gloo, cuda means nccl")
-    parser.add_argument("--small", action="store_true", help="the small CPU-sized model")
-    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    parser = ArgumentParser("offload_examples pipeline-dist", description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"],
+                        help="nccl: one GPU per stage; gloo: the CPU; auto: nccl where 2 GPUs are visible, else gloo")
+    parser.add_argument("--device", choices=["cpu", "cuda"],
+                        help="cpu means --backend gloo, cuda means --backend nccl (default: from --backend)")
+    parser.add_argument("--small", action="store_true",
+                        help="the small CPU-sized model (the default with gloo)")
+    add_json(parser)
     args = parser.parse_args(argv)
     backend = {"cpu": "gloo", "cuda": "nccl"}.get(args.device, args.backend)
-    config = DistConfig.small() if args.small else None
+    if args.device is not None and args.backend not in ("auto", backend):
+        parser.error(f"--device {args.device} means --backend {backend}, but --backend {args.backend} was given")
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "gloo"
+    config = DistConfig.small() if args.small or backend == "gloo" else DistConfig()
+    if backend == "nccl" and (not torch.cuda.is_available() or torch.cuda.device_count() < config.stages):
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        asked = "--device cuda" if args.device else "--backend nccl"
+        parser.error(f"{asked} needs one GPU per stage ({config.stages}); {visible} visible")
+    if not dist.is_available():
+        parser.error("this torch is built without torch.distributed")
+    if importlib.util.find_spec("numpy") is None:
+        parser.error("torch.distributed.pipelining needs numpy: pip install numpy")
     report = run(config, backend)
     print(format_report(report))
     if args.json:

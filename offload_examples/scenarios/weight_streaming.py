@@ -31,9 +31,10 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from offload_examples.cli import check_sizes
 from offload_examples.measure import Measurement, compare_grads, deterministic_kernels, measure_steps
 from offload_examples.models import Checkpointed, build_linear_stack
-from offload_examples.report import format_bytes, format_table
+from offload_examples.report import cpu_timing_note, format_bytes, format_table
 from offload_examples.scenarios.cli import scenario_main
 from offload_examples.measure import training_step
 from offload_examples.timeline import overlap_ms, record_timeline
@@ -55,6 +56,9 @@ class WeightsConfig:
     steps: int = 5
     warmup: int = 2
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_sizes(self)
 
     @classmethod
     def small(cls, **changes: Any) -> WeightsConfig:
@@ -111,6 +115,7 @@ def run(
     weights = sum(streamed.weight_bytes)
     report = {
         "scenario": "weight-streaming",
+        "device_type": device.type,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "config": dataclasses.asdict(config),
@@ -174,7 +179,7 @@ def format_report(report: dict[str, Any]) -> str:
                      f" of {report['device-to-host_busy_ms']:.1f} ms")
     lines.append(f"gradients bitwise equal to the resident run: {report['grads_equal']} "
                  f"({report['grads_compared']} tensors, max |diff| {report['max_abs_diff']:.3g})")
-    return "\n".join(lines)
+    return "\n".join(lines + cpu_timing_note(report))
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -1,0 +1,236 @@
+"""What every command line of the package shares: checked values, one-line errors, defaults in ``--help``.
+
+Every value is checked while the command line is parsed, before any work starts. A bad one ends
+the command with exactly one line on standard error, ``offload_examples <command>: error: ...``,
+and exit code 2 (argparse's code for a usage error): no usage block, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+
+from offload_examples.models import has_transformer_engine
+
+__all__ = [
+    "DTYPES", "KINDS", "ArgumentParser", "HelpFormatter", "add_device", "add_json", "check_kind", "check_sizes",
+    "default_device", "device_arg", "field_int_arg", "fractions_arg", "int_arg", "json_path_arg", "nonnegative_int",
+    "one_line", "output_folder_arg", "positive_int",
+]
+
+#: The dtypes a scenario's ``--dtype`` accepts.
+DTYPES = ("float32", "bfloat16", "float16")
+#: The transformer layers ``--kind`` chooses from (see :func:`offload_examples.models.layer_kind`).
+KINDS = ("auto", "torch", "te")
+#: Integer sizes that may be 0; every other integer field of a size dataclass must be at least 1.
+MAY_BE_ZERO = frozenset({"warmup", "seed"})
+#: Seeds go to ``torch.manual_seed`` and ``torch.Generator.manual_seed``.
+MAX_SEED = 2**32 - 1
+#: Shown where ``--kind te`` is asked for without Transformer Engine.
+TE_MISSING = "--kind te needs Transformer Engine: pip install 'offload_examples[te]'"
+
+
+def one_line(text: str) -> str:
+    """``text`` with every character that would start a new line (or is otherwise unprintable) escaped."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in str(text))
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default: the text's own ``default`` where it says one,
+    else the option's default value (``off`` for a flag)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or "default" in text or action.default is argparse.SUPPRESS:
+            return text
+        if isinstance(action, argparse._StoreTrueAction):
+            return f"{text} (default: off)".strip()
+        if action.default is None:
+            return text
+        return f"{text} (default: %(default)s)".strip()
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line on standard error and exit code 2.
+
+    ``command`` names the command in errors (``offload_examples basic``); ``--help`` shows
+    ``python -m <command>`` as the program.
+    """
+
+    def __init__(self, command: str, description: str | None = None, **kwargs: Any):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(prog=f"python -m {command}", description=description, **kwargs)
+        self.command = command
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.command}: error: {one_line(message)}\n")
+
+
+def int_arg(minimum: int, maximum: int | None = None):
+    """An argparse ``type``: an integer of at least ``minimum`` (and at most ``maximum``)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+            raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+positive_int = int_arg(1)
+nonnegative_int = int_arg(0)
+
+
+def field_int_arg(name: str):
+    """The argparse ``type`` for the integer size field ``name`` (see :data:`MAY_BE_ZERO`)."""
+    if name == "seed":
+        return int_arg(0, MAX_SEED)
+    return nonnegative_int if name in MAY_BE_ZERO else positive_int
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def device_arg(text: str) -> torch.device:
+    """An argparse ``type``: ``cpu``, ``cuda`` or ``cuda:N``, where CUDA is available."""
+    try:
+        device = torch.device(text)
+    except Exception:  # torch raises RuntimeError for most bad strings, other types for some
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "no GPU is visible"
+        raise argparse.ArgumentTypeError(f"{text!r}: CUDA is not available here ({why}); use --device cpu")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r}: only {torch.cuda.device_count()} GPU(s) visible")
+    return device
+
+
+def _check_path_text(text: str) -> Path:
+    if not text:
+        raise argparse.ArgumentTypeError("expected a path, got an empty string")
+    if "\0" in text:
+        raise argparse.ArgumentTypeError(f"{text!r} contains a NUL character")
+    return Path(text)
+
+
+def json_path_arg(text: str) -> Path:
+    """An argparse ``type``: a file to write JSON to, in a folder that exists and is writable.
+
+    Nothing is created: a missing folder is an error, so a typo does not scatter folders about.
+    """
+    path = _check_path_text(text)
+    try:
+        if path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text} is a folder; name a file in it, e.g. {path / 'report.json'}")
+        folder = path.parent
+        if not folder.exists():
+            raise argparse.ArgumentTypeError(f"folder {folder} does not exist (create it first)")
+        if not folder.is_dir():
+            raise argparse.ArgumentTypeError(f"{folder} is not a folder")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise argparse.ArgumentTypeError(f"folder {folder} is not writable")
+        if path.exists() and not os.access(path, os.W_OK):
+            raise argparse.ArgumentTypeError(f"{text} exists and is not writable")
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {e.strerror or e}") from None
+    return path
+
+
+def output_folder_arg(text: str) -> Path:
+    """An argparse ``type``: a folder for output files; it is created when the results are written,
+    so its nearest existing ancestor must be a writable folder."""
+    path = _check_path_text(text)
+    try:
+        existing = path
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.exists():
+            existing = Path.cwd()
+        if not existing.is_dir():
+            raise argparse.ArgumentTypeError(f"{existing} is a file, not a folder")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise argparse.ArgumentTypeError(f"folder {existing} is not writable")
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write into {text!r}: {e.strerror or e}") from None
+    return path
+
+
+def fractions_arg(text: str) -> list[float]:
+    """An argparse ``type``: comma-separated numbers between 0 and 1, e.g. ``0,0.5,1``."""
+    fractions = []
+    for part in text.split(","):
+        try:
+            value = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated numbers such as 0,0.5,1, got {text!r}") from None
+        if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+            raise argparse.ArgumentTypeError(f"every fraction must be between 0 and 1, got {part.strip()!r}")
+        fractions.append(value)
+    return fractions
+
+
+def add_device(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", type=device_arg, metavar="{cpu,cuda,cuda:N}",
+                        help="where to run (default: cuda when available, else cpu)")
+
+
+def add_json(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", metavar="PATH", type=json_path_arg,
+                        help="also write the report as JSON to PATH, in a folder that exists (default: no JSON)")
+
+
+def check_sizes(config: Any, offload_of: str | None = "layers") -> None:
+    """Raise ``ValueError`` for a size dataclass whose values cannot run.
+
+    Integer fields must be at least 1 (:data:`MAY_BE_ZERO` at least 0); ``dtype`` and ``kind`` must
+    be among :data:`DTYPES` and :data:`KINDS`; ``offload`` must be between 1 and ``offload_of - 1``;
+    ``hidden`` must be divisible by ``heads``.
+    """
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            continue
+        least = 0 if name in MAY_BE_ZERO else 1
+        if value < least:
+            raise ValueError(f"{name} must be at least {least}, got {value}")
+        if name == "seed" and value > MAX_SEED:
+            raise ValueError(f"seed must be at most {MAX_SEED}, got {value}")
+    if "dtype" in values and values["dtype"] not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {values['dtype']!r}")
+    if "kind" in values and values["kind"] not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {values['kind']!r}")
+    if "offload" in values and offload_of is not None and not 1 <= values["offload"] <= values[offload_of] - 1:
+        raise ValueError(f"offload must be between 1 and {offload_of} - 1 = {values[offload_of] - 1}, "
+                         f"got {values['offload']}")
+    if "hidden" in values and "heads" in values and values["hidden"] % values["heads"]:
+        raise ValueError(f"hidden ({values['hidden']}) must be divisible by heads ({values['heads']})")
+
+
+def check_kind(kind: str, device: torch.device) -> str | None:
+    """Why layers of ``kind`` cannot be built for ``device``, or ``None`` when they can."""
+    if kind != "te":
+        return None
+    if not has_transformer_engine():
+        return TE_MISSING
+    if device.type != "cuda":
+        return "--kind te needs CUDA: Transformer Engine's layers run on a GPU"
+    return None
