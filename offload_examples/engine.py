@@ -173,7 +173,7 @@ class _StorageRecord:
             return
         if self.captured == capturing:
             Streams.fence(self.home, self.offloaded, self.reloaded)
-            if self.reloaded is None and self.offloaded is not None and not self.offloaded.query():
+            if not capturing and self.reloaded is None and self.offloaded is not None and not self.offloaded.query():
                 # The copy out still reads the block, which may belong to another stream's pool
                 # than the home's (a tensor made on one stream and saved on another): mark it.
                 self.device.record_stream(self.streams.d2h)
