@@ -59,13 +59,13 @@ test-gpu: $(STAMP)  ## GPU tests only, failing if CUDA is missing
 	OFFLOAD_EXAMPLES_REQUIRE_GPU=1 $(PY) -m pytest -m gpu
 
 bench: $(STAMP)  ## every strategy side by side: results/bench/bench.{json,md} and plots (tiny on a CPU)
-	$(PY) -m offload_examples.bench --out results/bench
+	$(PY) -m offload_examples bench --out results/bench
 
 docs: $(STAMP)  ## build the site with warnings as errors (renders the notebooks' stored outputs); entry page $(DOCS_OUT)/docs/index.html
 	$(PY) -m sphinx -W --keep-going -b html . $(DOCS_OUT)
 
 notebooks: $(STAMP)  ## re-execute every notebook in place at full size (on a GPU node)
-	$(PY) -m offload_examples.notebooks notebooks/*.ipynb --inplace
+	$(PY) -m offload_examples.instruments.notebooks notebooks/*.ipynb --inplace
 
 clean:
 	rm -rf $(VENV) results _build build *.egg-info

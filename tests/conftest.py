@@ -12,7 +12,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from offload_examples.models import import_transformer_engine  # noqa: E402
+from offload_examples.instruments.models import import_transformer_engine  # noqa: E402
 
 # Transformer Engine must be imported before anything starts CUDA (else a system cuDNN may load).
 import_transformer_engine()

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from offload_examples import OffloadEngine, get_cpu_offload_context
-from offload_examples.measure import compare_grads, measure_steps
+from offload_examples.instruments.measure import compare_grads, measure_steps
 
 CPU = torch.device("cpu")
 TE_PARAMETERS = [

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from offload_examples import DefaultSchedule, get_cpu_offload_context
-from offload_examples import bench, models
-from offload_examples.measure import training_step
-from offload_examples.memory_history import MemoryCurve, curve_from_snapshot, record_memory_curve
-from offload_examples.models import TE_LAYER, TORCH_LAYER, build_linear_stack
-from offload_examples.report import ProgressBar
-from offload_examples.timeline import achieved_gb_per_s, record_layer_timeline
+from offload_examples.instruments import bench, models
+from offload_examples.instruments.measure import training_step
+from offload_examples.instruments.memory_history import MemoryCurve, curve_from_snapshot, record_memory_curve
+from offload_examples.instruments.models import TE_LAYER, TORCH_LAYER, build_linear_stack
+from offload_examples.instruments.report import ProgressBar
+from offload_examples.instruments.timeline import achieved_gb_per_s, record_layer_timeline
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -179,7 +179,7 @@ def test_layer_timeline_follows_the_schedule():
     assert achieved_gb_per_s(spans, "device-to-host") > 0
     assert ctx.recorder is None, "the recorder is detached after the step"
 
-    from offload_examples.plots import plot_timeline
+    from offload_examples.instruments.plots import plot_timeline
 
     ax = plot_timeline(spans, title="cpu")
     assert len(ax.collections) >= 3 + 2 * n
@@ -195,7 +195,7 @@ def test_memory_curve_from_recorded_snapshot():
     if not torch.cuda.is_available():
         assert record_memory_curve(lambda: None) == MemoryCurve([], [])
 
-    from offload_examples.plots import plot_memory_curves
+    from offload_examples.instruments.plots import plot_memory_curves
 
     ax = plot_memory_curves({"without": curve, "with": MemoryCurve([0.0, 1.0], [1000, 1020])})
     assert len(ax.get_legend().get_texts()) == 2
@@ -215,7 +215,7 @@ def test_progress_bar_off_a_terminal():
 
 
 def test_measurement_progress_is_short_unless_steps_are_slow():
-    from offload_examples.measure import StepReport, measure_steps
+    from offload_examples.instruments.measure import StepReport, measure_steps
 
     lines: list[str] = []
     layers, x = build_linear_stack(2, 8), torch.randn(2, 8, requires_grad=True)

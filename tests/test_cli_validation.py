@@ -21,15 +21,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from offload_examples import bench
+from offload_examples.instruments import bench
 from offload_examples.__main__ import main as dispatch
-from offload_examples.cli import DTYPES, KINDS, MAX_SEED
-from offload_examples.models import has_transformer_engine
-from offload_examples.report import CPU_TIMING_NOTE
+from offload_examples.instruments.cli import DTYPES, KINDS, MAX_SEED
+from offload_examples.instruments.models import has_transformer_engine
+from offload_examples.instruments.report import CPU_TIMING_NOTE
 from offload_examples.scenarios import SCENARIOS
 
 COMMANDS = {**{name: importlib.import_module(module).main for name, module in SCENARIOS.items()}, "bench": bench.main}
-PREFIX = {**{name: f"offload_examples {name}: error: " for name in SCENARIOS}, "bench": "offload_examples.bench: error: "}
+PREFIX = {**{name: f"offload_examples {name}: error: " for name in SCENARIOS}, "bench": "offload_examples bench: error: "}
 PROFILE = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 FLAGS = {"--small", "--tiny", "--no-plots", "--no-retain-pinned"}

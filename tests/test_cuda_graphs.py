@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from offload_examples import GraphCaptureError, get_cpu_offload_context
-from offload_examples.graphs import capture_step
-from offload_examples.host_pool import HostBufferPool, NoFreeBufferError
-from offload_examples.measure import compare_grads, deterministic_kernels, measure_steps, training_step
-from offload_examples.models import build_basic_model, build_linear_stack
+from offload_examples.features.graphs import capture_step
+from offload_examples.core.host_pool import HostBufferPool, NoFreeBufferError
+from offload_examples.instruments.measure import compare_grads, deterministic_kernels, measure_steps, training_step
+from offload_examples.instruments.models import build_basic_model, build_linear_stack
 from offload_examples.scenarios.cuda_graphs import GraphsConfig, format_report, run
 
 
@@ -130,9 +130,9 @@ def _small_cuda_model(cuda):
 _SETUP = """
 import torch
 from offload_examples import GraphCaptureError, get_cpu_offload_context
-from offload_examples.graphs import capture_step
-from offload_examples.measure import training_step
-from offload_examples.models import build_linear_stack
+from offload_examples.features.graphs import capture_step
+from offload_examples.instruments.measure import training_step
+from offload_examples.instruments.models import build_linear_stack
 layers = build_linear_stack(4, 256, device="cuda")
 x = torch.randn(8, 256, device="cuda", requires_grad=True)
 ctx, sync = get_cpu_offload_context(enabled=True, num_layers=2, model_layers=4, retain_pinned_cpu_buffers={retain})
@@ -169,7 +169,7 @@ with torch.cuda.graph(torch.cuda.CUDAGraph()):
 @pytest.mark.gpu
 def test_gpu_timing_marks_cannot_be_captured():
     err = _capture_fails("""
-from offload_examples.timeline import StepRecorder
+from offload_examples.instruments.timeline import StepRecorder
 ctx.recorder = StepRecorder(torch.device("cuda", 0))
 capture_step(lambda x: training_step(layers, x, ctx, sync), x, layers.parameters())
 """)

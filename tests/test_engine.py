@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from offload_examples import get_cpu_offload_context, mark_not_offload
-from offload_examples.measure import compare_grads, measure_steps, resident_vs_theory, training_step
-from offload_examples.models import build_basic_model, build_linear_stack
+from offload_examples.instruments.measure import compare_grads, measure_steps, resident_vs_theory, training_step
+from offload_examples.instruments.models import build_basic_model, build_linear_stack
 
 CPU = torch.device("cpu")
 

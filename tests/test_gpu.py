@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from offload_examples import get_cpu_offload_context
-from offload_examples.measure import compare_grads, measure_steps
-from offload_examples.models import build_linear_stack
-from offload_examples.report import write_json
+from offload_examples.instruments.measure import compare_grads, measure_steps
+from offload_examples.instruments.models import build_linear_stack
+from offload_examples.instruments.report import write_json
 from offload_examples.scenarios.basic import BasicConfig, format_report, run
 
 pytestmark = pytest.mark.gpu

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from offload_examples import OffloadWarning, SyncDictSchedule, get_cpu_offload_context
-from offload_examples.models import build_linear_stack
+from offload_examples.instruments.models import build_linear_stack
 
 CPU = torch.device("cpu")
 N = 4  # entries of the context per iteration: layers 0 and 1 are offloaded in every mode

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from offload_examples import OffloadWarning, SyncDictSchedule, get_cpu_offload_context
-from offload_examples.measure import compare_grads, measure_steps, resident_vs_theory
-from offload_examples.models import build_basic_model
+from offload_examples.instruments.measure import compare_grads, measure_steps, resident_vs_theory
+from offload_examples.instruments.models import build_basic_model
 from offload_examples.scenarios import pipeline
-from offload_examples.schedule import one_f_one_b_order, parse_order, sync_dict_for_order
+from offload_examples.core.schedule import one_f_one_b_order, parse_order, sync_dict_for_order
 
 CPU = torch.device("cpu")
 ORDER = parse_order(pipeline.ORDER)

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from offload_examples import OffloadWarning, get_cpu_offload_context
-from offload_examples.measure import training_step
-from offload_examples.models import build_basic_model, build_linear_stack
+from offload_examples.instruments.measure import training_step
+from offload_examples.instruments.models import build_basic_model, build_linear_stack
 
 CPU = torch.device("cpu")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from offload_examples.notebooks import cells_missing_figures, execute_notebook, has_outputs
+from offload_examples.instruments.notebooks import cells_missing_figures, execute_notebook, has_outputs
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 REQUIRED_CHECKS = {"grads_equal", "resident_matches_theory"}

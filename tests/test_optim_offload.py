@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from offload_examples.optim_offload import SUPPORTED_OPTIMIZERS, OptimizerOffload
+from offload_examples.features.optim_offload import SUPPORTED_OPTIMIZERS, OptimizerOffload
 
 OPTIMIZERS = {
     "sgd_momentum": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),

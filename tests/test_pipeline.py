@@ -56,8 +56,8 @@ def test_two_gpu_nccl_pipeline_saving_vs_theory(tmp_path):
 
 # ---------------------------------------------------------------- the timeline helpers
 def test_timeline_from_a_chrome_trace_and_its_plot(tmp_path):
-    from offload_examples.plots import plot_timeline
-    from offload_examples.timeline import overlap_ms, spans_from_trace
+    from offload_examples.instruments.plots import plot_timeline
+    from offload_examples.instruments.timeline import overlap_ms, spans_from_trace
 
     trace = {"traceEvents": [
         {"cat": "kernel", "name": "gemm", "ts": 1000, "dur": 4000},
@@ -80,9 +80,9 @@ def test_timeline_from_a_chrome_trace_and_its_plot(tmp_path):
 @pytest.mark.gpu
 def test_offload_copies_overlap_compute_in_the_profile():
     from offload_examples import get_cpu_offload_context
-    from offload_examples.measure import training_step
-    from offload_examples.models import build_basic_model
-    from offload_examples.timeline import overlap_ms, record_timeline
+    from offload_examples.instruments.measure import training_step
+    from offload_examples.instruments.models import build_basic_model
+    from offload_examples.instruments.timeline import overlap_ms, record_timeline
 
     # full-size layers keep the GPU busy, so idle gaps between kernels do not hide the overlap
     model = build_basic_model(12, 1024, 8, 4096, device="cuda", dtype=torch.bfloat16, kind="torch")

@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 from offload_examples import OffloadWarning, get_cpu_offload_context
-from offload_examples.measure import training_step
-from offload_examples.models import Checkpointed, build_linear_stack
+from offload_examples.instruments.measure import training_step
+from offload_examples.instruments.models import Checkpointed, build_linear_stack
 from offload_examples.scenarios import pipeline
-from offload_examples.schedule import sync_dict_for_order
+from offload_examples.core.schedule import sync_dict_for_order
 
 CPU = torch.device("cpu")
 SOAK_STEPS = 1000
@@ -249,7 +249,7 @@ def test_host_cap_in_dict_mode_keeps_tensors_on_the_device():
 
 
 def run_order(model, x, order, ctx=None, sync=None):
-    from offload_examples.schedule import parse_order
+    from offload_examples.core.schedule import parse_order
 
     pipeline.pipeline_step(model[0], x, parse_order(order) if isinstance(order, str) else order, ctx, sync)
     return grads(model, x)

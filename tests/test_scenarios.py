@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from offload_examples.report import CPU_TIMING_NOTE
+from offload_examples.instruments.report import CPU_TIMING_NOTE
 from offload_examples.scenarios import SCENARIOS
 
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from offload_examples import get_cpu_offload_context
-from offload_examples.bench import _held_bytes
-from offload_examples.measure import compare_grads, measure_steps
-from offload_examples.models import has_transformer_engine, import_transformer_engine
+from offload_examples.instruments.bench import _held_bytes
+from offload_examples.instruments.measure import compare_grads, measure_steps
+from offload_examples.instruments.models import has_transformer_engine, import_transformer_engine
 
 pytestmark = pytest.mark.gpu
 

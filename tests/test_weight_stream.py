@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from offload_examples import StreamedLayers
-from offload_examples.measure import compare_grads, deterministic_kernels, measure_steps
-from offload_examples.models import build_basic_model, build_linear_stack
+from offload_examples.instruments.measure import compare_grads, deterministic_kernels, measure_steps
+from offload_examples.instruments.models import build_basic_model, build_linear_stack
 from offload_examples.scenarios.weight_streaming import WeightsConfig, _by_position, format_report, run
 
 

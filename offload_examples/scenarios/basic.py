@@ -22,26 +22,22 @@ The heart of it, which is all a training loop needs::
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import platform
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
 from offload_examples import get_cpu_offload_context
-from offload_examples.cli import check_sizes
-from offload_examples.measure import compare_grads, deterministic_kernels, measure_steps, resident_vs_theory
-from offload_examples.models import build_basic_model
-from offload_examples.report import cpu_timing_note, format_bytes, format_table
-from offload_examples.scenarios.cli import scenario_main
+from offload_examples.instruments.measure import compare_grads, deterministic_kernels, measure_steps, resident_vs_theory
+from offload_examples.instruments.models import build_basic_model
+from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table
+from offload_examples.scenarios.cli import ScenarioConfig, report_header, scenario_main
 
 __all__ = ["BasicConfig", "format_report", "main", "run"]
 
 
 @dataclass
-class BasicConfig:
+class BasicConfig(ScenarioConfig):
     """Sizes of the basic scenario. The defaults are the full GPU size (about 19 GiB peak)."""
 
     layers: int = 20
@@ -58,31 +54,16 @@ class BasicConfig:
     retain_pinned: bool = True
     seed: int = 0
 
-    def __post_init__(self) -> None:
-        check_sizes(self)
-
-    @classmethod
-    def small(cls, **changes: Any) -> BasicConfig:
-        """A size that runs in seconds on a CPU."""
-        small = dict(layers=6, offload=2, hidden=64, heads=4, ffn=256, seq=32, batch=4, dtype="float32")
-        return cls(**{**small, "steps": 2, "warmup": 1, "kind": "torch", **changes})
-
-    @classmethod
-    def for_device(cls, device: torch.device, **changes: Any) -> BasicConfig:
-        return cls(**changes) if device.type == "cuda" else cls.small(**changes)
+    #: The small size, which runs in seconds on a CPU: what it changes in the defaults above.
+    SMALL = dict(layers=6, offload=2, hidden=64, heads=4, ffn=256, seq=32, batch=4, dtype="float32",
+                 steps=2, warmup=1, kind="torch")
 
 
-def run(
-    config: BasicConfig | None = None,
-    device: torch.device | str | None = None,
-    progress: Callable[[str], None] | None = print,
-) -> dict[str, Any]:
+def run(config: BasicConfig | None = None, device: torch.device | str | None = None,
+        progress: Callable[[str], None] | None = print) -> dict[str, Any]:
     """Run the scenario and return its report (see :func:`format_report`)."""
-    # Bitwise comparison needs cuBLAS to pick the same reduction order in both runs; it reads
-    # this when its first handle is made, so it only helps if nothing has run a matmul yet.
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    config = config or BasicConfig.for_device(device)
+    # also fixes cuBLAS's workspace, so that both runs reduce in the same order (bitwise check)
+    config, device = BasicConfig.for_run(config, device)
     dtype = getattr(torch, config.dtype)
     say = progress or (lambda _: None)
     say(f"basic scenario on {device}: {config.layers} layers, offloading {config.offload}")
@@ -109,11 +90,7 @@ def run(
 
     saving = None if without.peak_bytes is None else without.activation_peak_bytes - with_.activation_peak_bytes
     return {
-        "scenario": "basic",
-        "device_type": device.type,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "config": dataclasses.asdict(config),
+        **report_header("basic", device, config),
         "peak_without_bytes": without.peak_bytes,
         "peak_with_bytes": with_.peak_bytes,
         "saving_bytes": saving,
@@ -164,7 +141,3 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                          extra=lambda p: p.add_argument("--no-retain-pinned", dest="retain_pinned", action="store_false",
                                                         default=None, help="empty the pinned host buffers after "
                                                         "every step (default: keep them for the next step)"))
-
-
-if __name__ == "__main__":
-    main()

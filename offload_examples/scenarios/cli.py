@@ -1,25 +1,90 @@
-"""The command line every scenario shares: ``python -m offload_examples <name> [--small] [--json PATH]``.
+"""What every scenario shares: its sizes' base type and its command line,
+``python -m offload_examples <name> [--small] [--json PATH]``.
 
-A scenario module provides a config dataclass (with ``small()`` and ``for_device()``), ``run`` and
-``format_report``; :func:`scenario_main` turns the config's int and str fields into options. Every
-value is checked before the scenario starts (see :mod:`offload_examples.cli`): a bad one ends the
-command with one line on standard error and exit code 2.
+A scenario module provides a config dataclass derived from :class:`ScenarioConfig` (its fields are
+the full size; ``SMALL`` lists what differs at the small size), ``run`` and ``format_report``;
+:func:`scenario_main` turns the config's int and str fields into options. Every value is checked
+before the scenario starts (see :mod:`offload_examples.instruments.cli`): a bad one ends the command
+with one line on standard error and exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import platform
 import sys
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Sequence, TypeVar
 
-from offload_examples.cli import (
-    DTYPES, KINDS, ArgumentParser, add_device, add_json, check_kind, default_device, field_int_arg,
+import torch
+
+from offload_examples.instruments.cli import (
+    DTYPES, KINDS, ArgumentParser, add_device, add_json, check_kind, check_sizes, default_device, field_int_arg,
 )
-from offload_examples.models import import_transformer_engine
-from offload_examples.report import write_json
+from offload_examples.instruments.models import import_transformer_engine
+from offload_examples.instruments.report import write_json
 
-__all__ = ["add_config_options", "scenario_main"]
+__all__ = ["DEVICE", "Placement", "ScenarioConfig", "add_config_options", "report_header", "scenario_main"]
+
+C = TypeVar("C", bound="ScenarioConfig")
+
+
+class ScenarioConfig:
+    """Base of every scenario's sizes: a dataclass whose field defaults are the full (GPU) size.
+
+    A subclass sets ``SMALL``, the values that differ at the size that runs in seconds on a CPU,
+    and may override :meth:`check` for checks of its own. Every instance is checked as it is made
+    (:func:`~offload_examples.instruments.cli.check_sizes`): a value that cannot run raises ``ValueError``.
+    """
+
+    #: The small size: the fields whose value differs from the full size's default.
+    SMALL: ClassVar[dict[str, Any]] = {}
+    #: The field that ``offload`` must stay below (``None``: no such field).
+    OFFLOAD_OF: ClassVar[str | None] = "layers"
+
+    def __post_init__(self) -> None:
+        check_sizes(self, offload_of=self.OFFLOAD_OF)
+        self.check()
+
+    def check(self) -> None:
+        """Raise ``ValueError`` for values this scenario cannot run (beyond the shared checks)."""
+
+    @classmethod
+    def small(cls: type[C], **changes: Any) -> C:
+        """A size that runs in seconds on a CPU."""
+        return cls(**{**cls.SMALL, **changes})
+
+    @classmethod
+    def for_device(cls: type[C], device: torch.device, **changes: Any) -> C:
+        """The full size on a GPU, the small one elsewhere."""
+        return cls(**changes) if device.type == "cuda" else cls.small(**changes)
+
+    @classmethod
+    def for_run(cls: type[C], config: C | None, device: torch.device | str | None) -> tuple[C, torch.device]:
+        """What ``run(config, device)`` runs: ``device`` (default: cuda when available, else cpu) and
+        ``config`` (default: the size for that device).
+
+        Also asks cuBLAS for a fixed workspace: the scenarios compare gradients bit for bit, which
+        needs cuBLAS to pick the same reduction order in both runs; it reads this setting when its
+        first handle is made, so it only helps if nothing has run a matmul yet.
+        """
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        device = torch.device(device or default_device())
+        return config or cls.for_device(device), device
+
+
+def report_header(scenario: str, device: torch.device, config: ScenarioConfig) -> dict[str, Any]:
+    """The first entries of every scenario's report: what ran, where, with which torch and sizes."""
+    return {
+        "scenario": scenario,
+        "device_type": device.type,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "config": dataclasses.asdict(config),
+    }
+
 
 #: What each size field means, for ``--help``.
 FIELD_HELP = {
@@ -75,33 +140,15 @@ def add_config_options(parser: argparse.ArgumentParser, config_cls: type) -> lis
     return names
 
 
-def scenario_main(
-    name: str,
-    doc: str,
-    config_cls: type,
-    run: Callable[..., dict[str, Any]],
-    format_report: Callable[[dict[str, Any]], str],
-    argv: Sequence[str] | None = None,
-    extra: Callable[[argparse.ArgumentParser], None] | None = None,
-    failure: str = "gradients differ",
-) -> dict[str, Any]:
-    """Parse and check ``argv``, run the scenario, print its report, write JSON if asked.
-
-    Exits with ``failure`` (code 1) when the report's ``grads_equal`` is false. ``extra`` may add
-    options whose destinations are config fields of other types.
-    """
-    parser = ArgumentParser(f"offload_examples {name}", description=doc.split("\n")[0])
+def _device_options(parser: argparse.ArgumentParser) -> None:
     add_device(parser)
     parser.add_argument("--small", action="store_true",
                         help="use the small CPU-sized model on any device (the default on a CPU)")
-    add_config_options(parser, config_cls)
-    if extra is not None:
-        extra(parser)
-    add_json(parser)
-    args = parser.parse_args(argv)
+
+
+def _choose_device(parser: ArgumentParser, args: argparse.Namespace, config_cls: type[C],
+                   changes: dict[str, Any]) -> tuple[C, torch.device]:
     device = args.device or default_device()
-    fields = dataclasses.fields(config_cls)
-    changes = {f.name: getattr(args, f.name) for f in fields if getattr(args, f.name, None) is not None}
     try:
         config = config_cls.small(**changes) if args.small else config_cls.for_device(device, **changes)
     except ValueError as e:  # values that are fine alone but not together, e.g. --offload >= --layers
@@ -109,7 +156,57 @@ def scenario_main(
     if (why := check_kind(getattr(config, "kind", "torch"), device)) is not None:
         parser.error(why)
     import_transformer_engine()  # when installed: before CUDA starts
-    report = run(config, device, progress=lambda s: print(s, flush=True))
+    return config, device
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a scenario runs, as options: ``add_options(parser)`` adds them; ``choose(parser, args,
+    config_cls, changes)`` checks them and returns the config and where to run, the second argument
+    of the scenario's ``run``. ``progress``: whether ``run`` takes a ``progress`` callback."""
+
+    add_options: Callable[[argparse.ArgumentParser], None]
+    choose: Callable[..., tuple[Any, Any]]
+    progress: bool = True
+
+
+#: One process on one device: ``--device`` and ``--small`` (every scenario but pipeline-dist).
+DEVICE = Placement(_device_options, _choose_device)
+
+
+def scenario_main(
+    name: str,
+    doc: str,
+    config_cls: type[ScenarioConfig],
+    run: Callable[..., dict[str, Any]],
+    format_report: Callable[[dict[str, Any]], str],
+    argv: Sequence[str] | None = None,
+    extra: Callable[[argparse.ArgumentParser], None] | None = None,
+    failure: str = "gradients differ",
+    sizes: bool = True,
+    placement: Placement = DEVICE,
+) -> dict[str, Any]:
+    """Parse and check ``argv``, run the scenario, print its report, write JSON if asked.
+
+    Exits with ``failure`` (code 1) when the report's ``grads_equal`` is false. ``sizes``: an option
+    for each int and str field of the config; ``extra`` may add options whose destinations are config
+    fields of other types; ``placement`` says where the scenario runs (:data:`DEVICE` by default).
+    """
+    parser = ArgumentParser(f"offload_examples {name}", description=doc.split("\n")[0])
+    placement.add_options(parser)
+    if sizes:
+        add_config_options(parser, config_cls)
+    if extra is not None:
+        extra(parser)
+    add_json(parser)
+    args = parser.parse_args(argv)
+    fields = dataclasses.fields(config_cls)
+    changes = {f.name: getattr(args, f.name) for f in fields if getattr(args, f.name, None) is not None}
+    config, where = placement.choose(parser, args, config_cls, changes)
+    if placement.progress:
+        report = run(config, where, progress=lambda s: print(s, flush=True))
+    else:
+        report = run(config, where)
     print(format_report(report))
     if args.json:  # pictures' raw data (timelines) stay out of the JSON
         print(f"wrote {write_json(args.json, {k: v for k, v in report.items() if k not in ('timeline', 'events')})}")

@@ -27,9 +27,6 @@ with a step without offloading.
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import platform
 import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -37,16 +34,15 @@ from typing import Any, Callable, Sequence
 import torch
 
 from offload_examples import get_cpu_offload_context
-from offload_examples.graphs import CapturedStep, capture_step
-from offload_examples.measure import (
+from offload_examples.features.graphs import CapturedStep, capture_step
+from offload_examples.instruments.measure import (
     GradCheck, Measurement, compare_grads, deterministic_kernels, measure_steps, resident_vs_theory, snapshot,
     training_step,
 )
-from offload_examples.cli import check_sizes
-from offload_examples.models import build_basic_model
-from offload_examples.report import cpu_timing_note, format_bytes, format_table
-from offload_examples.scenarios.cli import scenario_main
-from offload_examples.timeline import overlap_ms, record_timeline
+from offload_examples.instruments.models import build_basic_model
+from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table
+from offload_examples.instruments.timeline import overlap_ms, record_timeline
+from offload_examples.scenarios.cli import ScenarioConfig, report_header, scenario_main
 
 __all__ = ["GraphsConfig", "format_report", "main", "run"]
 
@@ -54,7 +50,7 @@ VARIANTS = ("eager", "eager + offload", "graphed", "graphed + offload")
 
 
 @dataclass
-class GraphsConfig:
+class GraphsConfig(ScenarioConfig):
     """Sizes of the CUDA graph scenario. The defaults are the GPU size."""
 
     layers: int = 12
@@ -71,18 +67,9 @@ class GraphsConfig:
     kind: str = "torch"
     seed: int = 0
 
-    def __post_init__(self) -> None:
-        check_sizes(self)
-
-    @classmethod
-    def small(cls, **changes: Any) -> GraphsConfig:
-        """A size that runs in seconds on a CPU."""
-        small = dict(layers=4, offload=2, hidden=64, heads=4, ffn=128, seq=16, batch=2, dtype="float32")
-        return cls(**{**small, "replays": 3, "checks": 3, "warmup": 1, **changes})
-
-    @classmethod
-    def for_device(cls, device: torch.device, **changes: Any) -> GraphsConfig:
-        return cls(**changes) if device.type == "cuda" else cls.small(**changes)
+    #: The small size, which runs in seconds on a CPU: what it changes in the defaults above.
+    SMALL = dict(layers=4, offload=2, hidden=64, heads=4, ffn=128, seq=16, batch=2, dtype="float32",
+                 replays=3, checks=3, warmup=1)
 
 
 def _check_all(refs: list[Measurement], inputs: list[torch.Tensor], step: Callable[[torch.Tensor], Measurement]
@@ -106,15 +93,10 @@ def _time_replays(captured: CapturedStep, inputs: list[torch.Tensor], replays: i
     return times
 
 
-def run(
-    config: GraphsConfig | None = None,
-    device: torch.device | str | None = None,
-    progress: Callable[[str], None] | None = print,
-) -> dict[str, Any]:
+def run(config: GraphsConfig | None = None, device: torch.device | str | None = None,
+        progress: Callable[[str], None] | None = print) -> dict[str, Any]:
     """Run the scenario and return its report (see :func:`format_report`)."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # see the basic scenario
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    config = config or GraphsConfig.for_device(device)
+    config, device = GraphsConfig.for_run(config, device)
     if config.checks < 1 or config.replays < 1:
         raise ValueError(f"need checks >= 1 and replays >= 1, got {config.checks} and {config.replays}")
     say = progress or (lambda _: None)
@@ -153,11 +135,7 @@ def run(
 
 def _base_report(config: GraphsConfig, device: torch.device, theory: int, ctx) -> dict[str, Any]:
     return {
-        "scenario": "cuda-graphs",
-        "device_type": device.type,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "config": dataclasses.asdict(config),
+        **report_header("cuda-graphs", device, config),
         "theoretical_saving_bytes": theory,
         "offloaded_bytes": ctx.offloaded_bytes,
         "captured": device.type == "cuda",
@@ -254,7 +232,3 @@ def format_report(report: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return scenario_main("cuda-graphs", __doc__, GraphsConfig, run, format_report, argv)
-
-
-if __name__ == "__main__":
-    main()

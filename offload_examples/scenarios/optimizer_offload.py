@@ -1,7 +1,7 @@
 """Scenario 6, optimizer-state offload: Adam's moments of a fraction of the parameters on the host.
 
 The same model trains for a few steps with the plain optimizer and with
-:class:`~offload_examples.optim_offload.OptimizerOffload` at fractions from 0 to 1. For each the
+:class:`~offload_examples.features.optim_offload.OptimizerOffload` at fractions from 0 to 1. For each the
 report gives the GPU memory after the steps (weights, optimizer state), the saving against the
 state bytes the offloaded parameters would hold on the GPU, the step time, and how far the
 parameters are from the plain optimizer's.
@@ -20,10 +20,7 @@ The heart of it::
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import os
-import platform
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -31,18 +28,18 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from offload_examples.cli import check_sizes, fractions_arg
-from offload_examples.measure import StepReport, training_step
-from offload_examples.models import build_linear_stack
-from offload_examples.optim_offload import OptimizerOffload
-from offload_examples.report import cpu_timing_note, format_bytes, format_table
-from offload_examples.scenarios.cli import scenario_main
+from offload_examples.features.optim_offload import OptimizerOffload
+from offload_examples.instruments.cli import fractions_arg
+from offload_examples.instruments.measure import StepReport, training_step
+from offload_examples.instruments.models import build_linear_stack
+from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table
+from offload_examples.scenarios.cli import ScenarioConfig, report_header, scenario_main
 
 __all__ = ["OptimizerConfig", "format_report", "main", "run"]
 
 
 @dataclass
-class OptimizerConfig:
+class OptimizerConfig(ScenarioConfig):
     """Sizes of the optimizer scenario: ``layers`` blocks of Linear(width, 4 width), GELU,
     Linear(4 width, width) in fp32, trained with Adam. The defaults are the GPU size."""
 
@@ -56,21 +53,14 @@ class OptimizerConfig:
     warmup: int = 2
     seed: int = 0
 
-    def __post_init__(self) -> None:
-        check_sizes(self)
+    #: The small size, which runs in seconds on a CPU: what it changes in the defaults above.
+    SMALL = dict(layers=3, width=32, seq=8, batch=2, steps=4, warmup=1)
+
+    def check(self) -> None:
         if not self.fractions or not all(math.isfinite(f) and 0.0 <= f <= 1.0 for f in self.fractions):
             raise ValueError(f"fractions must be one or more numbers between 0 and 1, got {self.fractions}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a positive number, got {self.lr}")
-
-    @classmethod
-    def small(cls, **changes: Any) -> OptimizerConfig:
-        """A size that runs in seconds on a CPU."""
-        return cls(**{**dict(layers=3, width=32, seq=8, batch=2, steps=4, warmup=1), **changes})
-
-    @classmethod
-    def for_device(cls, device: torch.device, **changes: Any) -> OptimizerConfig:
-        return cls(**changes) if device.type == "cuda" else cls.small(**changes)
 
 
 def _train(config: OptimizerConfig, device: torch.device, fraction: float | None,
@@ -127,15 +117,10 @@ def _difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict[str, Any]:
     }
 
 
-def run(
-    config: OptimizerConfig | None = None,
-    device: torch.device | str | None = None,
-    progress: Callable[[str], None] | None = print,
-) -> dict[str, Any]:
+def run(config: OptimizerConfig | None = None, device: torch.device | str | None = None,
+        progress: Callable[[str], None] | None = print) -> dict[str, Any]:
     """Run the scenario and return its report (see :func:`format_report`)."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # see the basic scenario
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    config = config or OptimizerConfig.for_device(device)
+    config, device = OptimizerConfig.for_run(config, device)
     say = progress or (lambda _: None)
     say(f"optimizer-offload scenario on {device}: {config.layers} layers of width {config.width}, Adam")
     torch.use_deterministic_algorithms(True, warn_only=True)  # the same gradients in every run
@@ -158,11 +143,7 @@ def run(
         })
     zero = [r for r in rows if r["fraction"] == 0.0]
     return {
-        "scenario": "optimizer-offload",
-        "device_type": device.type,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "config": dataclasses.asdict(config),
+        **report_header("optimizer-offload", device, config),
         "plain": {"step_ms": plain["step_ms"], "gpu_bytes": plain["gpu_bytes"]},
         "rows": rows,
         "offloaded_bytes": max(r["state_bytes"]["host"] for r in rows),
@@ -207,7 +188,3 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     return scenario_main("optimizer-offload", __doc__, OptimizerConfig, run, format_report, argv, extra=fractions,
                          failure="parameters differ from the plain optimizer where they must be equal")
-
-
-if __name__ == "__main__":
-    main()

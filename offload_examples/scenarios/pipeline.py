@@ -25,10 +25,6 @@ The same schedule written with the manual synchronizer is :func:`manual_step`. R
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import os
-import platform
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -36,11 +32,11 @@ import torch
 from torch import nn
 
 from offload_examples import get_cpu_offload_context
-from offload_examples.cli import ArgumentParser, add_device, add_json, check_kind, check_sizes, default_device
-from offload_examples.measure import compare_grads, deterministic_kernels, measure_steps, resident_vs_theory
-from offload_examples.models import build_basic_model, import_transformer_engine
-from offload_examples.report import cpu_timing_note, format_bytes, format_table, write_json
-from offload_examples.schedule import parse_order, sync_dict_for_order
+from offload_examples.core.schedule import parse_order, sync_dict_for_order
+from offload_examples.instruments.measure import compare_grads, deterministic_kernels, measure_steps, resident_vs_theory
+from offload_examples.instruments.models import build_basic_model
+from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table
+from offload_examples.scenarios.cli import ScenarioConfig, report_header, scenario_main
 
 __all__ = ["ORDER", "SYNC_DICT", "PipelineConfig", "format_report", "main", "manual_step", "pipeline_step", "run"]
 
@@ -59,7 +55,7 @@ SYNC_DICT = {
 
 
 @dataclass
-class PipelineConfig:
+class PipelineConfig(ScenarioConfig):
     """Sizes of the pipeline scenario. The defaults are the full GPU size."""
 
     microbatches: int = 8
@@ -74,20 +70,13 @@ class PipelineConfig:
     kind: str = "auto"
     seed: int = 0
 
-    def __post_init__(self) -> None:
-        check_sizes(self)
+    #: The small size, which runs in seconds on a CPU: what it changes in the defaults above.
+    SMALL = dict(hidden=64, heads=4, ffn=256, seq=32, micro_batch=2, dtype="float32", steps=2, warmup=1,
+                 kind="torch")
+
+    def check(self) -> None:
         if self.microbatches != 8:
             raise ValueError(f"the scenario's order and schedule are written for 8 micro-batches, got {self.microbatches}")
-
-    @classmethod
-    def small(cls, **changes: Any) -> PipelineConfig:
-        """A size that runs in seconds on a CPU."""
-        small = dict(hidden=64, heads=4, ffn=256, seq=32, micro_batch=2, dtype="float32", steps=2, warmup=1)
-        return cls(**{**small, "kind": "torch", **changes})
-
-    @classmethod
-    def for_device(cls, device: torch.device, **changes: Any) -> PipelineConfig:
-        return cls(**changes) if device.type == "cuda" else cls.small(**changes)
 
 
 def _loss(out: torch.Tensor) -> torch.Tensor:
@@ -150,16 +139,11 @@ def manual_step(layer: nn.Module, x: torch.Tensor, ctx, sync, synchronizer) -> t
     return pipeline_step(layer, x, parse_order(ORDER), ctx, sync, before, after_forward)
 
 
-def run(
-    config: PipelineConfig | None = None,
-    device: torch.device | str | None = None,
-    progress: Callable[[str], None] | None = print,
-) -> dict[str, Any]:
+def run(config: PipelineConfig | None = None, device: torch.device | str | None = None,
+        progress: Callable[[str], None] | None = print) -> dict[str, Any]:
     """Run the order without offloading, with :data:`SYNC_DICT`, with the same schedule by hand,
     and with a schedule that also releases during the warm-up; return the report."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # for the bitwise check
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    config = config or PipelineConfig.for_device(device)
+    config, device = PipelineConfig.for_run(config, device)
     if config.microbatches != 8:
         raise ValueError("the scenario's order and schedule are written for 8 micro-batches")
     dtype = getattr(torch, config.dtype)
@@ -244,11 +228,7 @@ def run(
             "events": r["events"],
         }
     return {
-        "scenario": "pipeline",
-        "device_type": device.type,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "config": dataclasses.asdict(config),
+        **report_header("pipeline", device, config),
         "order": ORDER,
         "sync_dict": {str(k): v for k, v in SYNC_DICT.items()},
         "early_sync_dict": {str(k): v for k, v in early.items()},
@@ -273,25 +253,9 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = ArgumentParser("offload_examples pipeline", description=__doc__.split("\n")[0])
-    add_device(parser)
-    parser.add_argument("--small", action="store_true",
-                        help="use the small CPU-sized model on any device (the default on a CPU)")
-    add_json(parser)
-    args = parser.parse_args(argv)
-    device = args.device or default_device()
-    config = PipelineConfig.small() if args.small else PipelineConfig.for_device(device)
-    if (why := check_kind(config.kind, device)) is not None:
-        parser.error(why)
-    import_transformer_engine()  # when installed: before CUDA starts
-    report = run(config, device, progress=lambda s: print(s, flush=True))
-    print(format_report(report))
-    if args.json:
-        print(f"wrote {write_json(args.json, report)}")
-    if not report["grads_equal"]:
-        sys.exit("gradients differ with offloading")
-    return report
-
+    # the order and schedule are written for these sizes: only --device, --small and --json
+    return scenario_main("pipeline", __doc__, PipelineConfig, run, format_report, argv, sizes=False,
+                         failure="gradients differ with offloading")
 
 if __name__ == "__main__":
     main()

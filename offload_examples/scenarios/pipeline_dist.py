@@ -16,13 +16,13 @@ peak memory. Run it::
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.util
 import json
 import os
 import socket
 import statistics
-import sys
 import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
@@ -34,17 +34,17 @@ import torch.distributed as dist
 from torch import nn
 
 from offload_examples import get_cpu_offload_context, mark_not_offload
-from offload_examples.cli import ArgumentParser, add_json, check_sizes
-from offload_examples.measure import deterministic_kernels
-from offload_examples.models import build_basic_model
-from offload_examples.report import format_bytes, format_table, write_json
-from offload_examples.schedule import one_f_one_b_order, sync_dict_for_order
+from offload_examples.core.schedule import one_f_one_b_order, sync_dict_for_order
+from offload_examples.instruments.measure import deterministic_kernels
+from offload_examples.instruments.models import build_basic_model
+from offload_examples.instruments.report import format_bytes, format_table
+from offload_examples.scenarios.cli import Placement, ScenarioConfig, scenario_main
 
 __all__ = ["DistConfig", "OffloadedStage", "expand_order", "main", "run"]
 
 
 @dataclass
-class DistConfig:
+class DistConfig(ScenarioConfig):
     """Sizes of the multi-rank scenario; the defaults are the full GPU size."""
 
     stages: int = 2
@@ -60,16 +60,14 @@ class DistConfig:
     steps: int = 3
     seed: int = 0
 
-    def __post_init__(self) -> None:
-        check_sizes(self, offload_of="layers_per_stage")
+    #: The small size, which runs in seconds on a CPU: what it changes in the defaults above.
+    SMALL = dict(layers_per_stage=3, offload=1, hidden=64, heads=4, ffn=256, seq=32, micro_batch=2,
+                 dtype="float32", steps=2)
+    OFFLOAD_OF = "layers_per_stage"
+
+    def check(self) -> None:
         if self.stages < 2:
             raise ValueError(f"a pipeline needs at least 2 stages, got {self.stages}")
-
-    @classmethod
-    def small(cls, **changes: Any) -> DistConfig:
-        small = dict(layers_per_stage=3, offload=1, hidden=64, heads=4, ffn=256, seq=32, micro_batch=2,
-                     dtype="float32", steps=2)
-        return cls(**{**small, **changes})
 
 
 class OffloadedStage(nn.Module):
@@ -261,22 +259,23 @@ def format_report(report: dict[str, Any]) -> str:
     return head + "\n" + table  # no step times on a CPU (n/a), so no note that they measure nothing
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = ArgumentParser("offload_examples pipeline-dist", description=__doc__.split("\n")[0])
+def _backend_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"],
                         help="nccl: one GPU per stage; gloo: the CPU; auto: nccl where 2 GPUs are visible, else gloo")
     parser.add_argument("--device", choices=["cpu", "cuda"],
                         help="cpu means --backend gloo, cuda means --backend nccl (default: from --backend)")
     parser.add_argument("--small", action="store_true",
                         help="the small CPU-sized model (the default with gloo)")
-    add_json(parser)
-    args = parser.parse_args(argv)
+
+
+def _choose_backend(parser, args: argparse.Namespace, config_cls: type[DistConfig], changes) -> tuple[DistConfig, str]:
+    """The config and the backend: one process per stage, each on a GPU (nccl) or on the CPU (gloo)."""
     backend = {"cpu": "gloo", "cuda": "nccl"}.get(args.device, args.backend)
     if args.device is not None and args.backend not in ("auto", backend):
         parser.error(f"--device {args.device} means --backend {backend}, but --backend {args.backend} was given")
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "gloo"
-    config = DistConfig.small() if args.small or backend == "gloo" else DistConfig()
+    config = config_cls.small(**changes) if args.small or backend == "gloo" else config_cls(**changes)
     if backend == "nccl" and (not torch.cuda.is_available() or torch.cuda.device_count() < config.stages):
         visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
         asked = "--device cuda" if args.device else "--backend nccl"
@@ -285,14 +284,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         parser.error("this torch is built without torch.distributed")
     if importlib.util.find_spec("numpy") is None:
         parser.error("torch.distributed.pipelining needs numpy: pip install numpy")
-    report = run(config, backend)
-    print(format_report(report))
-    if args.json:
-        print(f"wrote {write_json(args.json, report)}")
-    if not report["grads_equal"]:
-        sys.exit("gradients differ with offloading")
-    return report
+    return config, backend
 
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    # the sizes are fixed (full, or small with --small or gloo); --backend/--device say where it runs
+    return scenario_main("pipeline-dist", __doc__, DistConfig, run, format_report, argv, sizes=False,
+                         placement=Placement(_backend_options, _choose_backend, progress=False),
+                         failure="gradients differ with offloading")
 
 if __name__ == "__main__":
     main()

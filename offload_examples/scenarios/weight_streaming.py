@@ -2,7 +2,7 @@
 
 The same stack of layers runs three ways: resident (weights, gradients and activations on the
 GPU), resident with activation recomputation (the same activation memory as streaming), and
-streamed (:class:`~offload_examples.weight_stream.StreamedLayers`: weights loaded one layer ahead,
+streamed (:class:`~offload_examples.features.weight_stream.StreamedLayers`: weights loaded one layer ahead,
 gradients written back one layer behind, at most two layers of each on the GPU). The report puts
 side by side peak GPU memory, step time, the weight-and-gradient bytes each keeps on the GPU, and
 whether the streamed gradients equal the resident ones bit for bit.
@@ -23,28 +23,26 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
-import platform
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
-from offload_examples.cli import check_sizes
-from offload_examples.measure import Measurement, compare_grads, deterministic_kernels, measure_steps
-from offload_examples.models import Checkpointed, build_linear_stack
-from offload_examples.report import cpu_timing_note, format_bytes, format_table
-from offload_examples.scenarios.cli import scenario_main
-from offload_examples.measure import training_step
-from offload_examples.timeline import overlap_ms, record_timeline
-from offload_examples.weight_stream import StreamedLayers
+from offload_examples.features.weight_stream import StreamedLayers
+from offload_examples.instruments.measure import (
+    Measurement, compare_grads, deterministic_kernels, measure_steps, training_step,
+)
+from offload_examples.instruments.models import Checkpointed, build_linear_stack
+from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table
+from offload_examples.instruments.timeline import overlap_ms, record_timeline
+from offload_examples.scenarios.cli import ScenarioConfig, report_header, scenario_main
 
 __all__ = ["WeightsConfig", "format_report", "main", "run"]
 
 
 @dataclass
-class WeightsConfig:
+class WeightsConfig(ScenarioConfig):
     """Sizes of the weight-streaming scenario: ``layers`` blocks of Linear(width, 4 width), GELU,
     Linear(4 width, width), on ``batch x seq`` tokens. The defaults are the GPU size."""
 
@@ -57,18 +55,8 @@ class WeightsConfig:
     warmup: int = 2
     seed: int = 0
 
-    def __post_init__(self) -> None:
-        check_sizes(self)
-
-    @classmethod
-    def small(cls, **changes: Any) -> WeightsConfig:
-        """A size that runs in seconds on a CPU."""
-        small = dict(layers=4, width=64, seq=16, batch=2, dtype="float32", steps=2, warmup=1)
-        return cls(**{**small, **changes})
-
-    @classmethod
-    def for_device(cls, device: torch.device, **changes: Any) -> WeightsConfig:
-        return cls(**changes) if device.type == "cuda" else cls.small(**changes)
+    #: The small size, which runs in seconds on a CPU: what it changes in the defaults above.
+    SMALL = dict(layers=4, width=64, seq=16, batch=2, dtype="float32", steps=2, warmup=1)
 
 
 def _by_position(m: Measurement) -> Measurement:
@@ -77,15 +65,10 @@ def _by_position(m: Measurement) -> Measurement:
     return dataclasses.replace(m, grads=grads)
 
 
-def run(
-    config: WeightsConfig | None = None,
-    device: torch.device | str | None = None,
-    progress: Callable[[str], None] | None = print,
-) -> dict[str, Any]:
+def run(config: WeightsConfig | None = None, device: torch.device | str | None = None,
+        progress: Callable[[str], None] | None = print) -> dict[str, Any]:
     """Run the scenario and return its report (see :func:`format_report`)."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # see the basic scenario
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    config = config or WeightsConfig.for_device(device)
+    config, device = WeightsConfig.for_run(config, device)
     say = progress or (lambda _: None)
     dtype = getattr(torch, config.dtype)
     host_layers = build_linear_stack(config.layers, config.width, dtype=dtype, seed=config.seed)
@@ -114,11 +97,7 @@ def run(
         stream_token = measure_steps(model, token, steps=1, warmup=1)
     weights = sum(streamed.weight_bytes)
     report = {
-        "scenario": "weight-streaming",
-        "device_type": device.type,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "config": dataclasses.asdict(config),
+        **report_header("weight-streaming", device, config),
         "weight_bytes": weights,
         "offloaded_bytes": weights,
         "weight_bytes_per_layer": streamed.weight_bytes[0],
@@ -184,7 +163,3 @@ def format_report(report: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return scenario_main("weight-streaming", __doc__, WeightsConfig, run, format_report, argv)
-
-
-if __name__ == "__main__":
-    main()

@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from offload_examples.models import has_transformer_engine
+from offload_examples.instruments.models import has_transformer_engine
 
 __all__ = [
     "DTYPES", "KINDS", "ArgumentParser", "HelpFormatter", "add_device", "add_json", "check_kind", "check_sizes",
@@ -26,7 +26,7 @@ __all__ = [
 
 #: The dtypes a scenario's ``--dtype`` accepts.
 DTYPES = ("float32", "bfloat16", "float16")
-#: The transformer layers ``--kind`` chooses from (see :func:`offload_examples.models.layer_kind`).
+#: The transformer layers ``--kind`` chooses from (see :func:`offload_examples.instruments.models.layer_kind`).
 KINDS = ("auto", "torch", "te")
 #: Integer sizes that may be 0; every other integer field of a size dataclass must be at least 1.
 MAY_BE_ZERO = frozenset({"warmup", "seed"})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from .schedule import DefaultSchedule
+from ..core.schedule import DefaultSchedule
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -78,7 +78,7 @@ def plot_memory_by_phase(traces: Mapping[str, Sequence[tuple[str, int, int]]], a
 
 
 def plot_overlap(runs: Mapping[str, Mapping[str, tuple[float, float]]], ax: Axes | None = None) -> Axes:
-    """Timelines from :func:`offload_examples.bandwidth.overlap_timeline`, one block per run."""
+    """Timelines from :func:`offload_examples.instruments.bandwidth.overlap_timeline`, one block per run."""
     ax = _axes(ax, (9, 1 + 1.1 * len(runs)))
     colors = {"compute": "#31a354", "d2h": "#3182bd", "h2d": "#e6550d"}
     rows = []
@@ -114,10 +114,10 @@ def plot_sweep(rows: Sequence[Mapping[str, float]], ax: Axes | None = None) -> A
 def plot_timeline(spans: Sequence, ax: Axes | None = None, title: str = "") -> Axes:
     """Compute, device-to-host and host-to-device activity, one lane each.
 
-    Takes the spans of :func:`offload_examples.timeline.record_layer_timeline` (per layer: the
+    Takes the spans of :func:`offload_examples.instruments.timeline.record_layer_timeline` (per layer: the
     compute lane alternates shades from layer to layer and is labelled ``F3``/``B3``, red marks
     where the compute stream waited for copies, copies are coloured and labelled by layer) or of
-    :func:`offload_examples.timeline.record_timeline` (every kernel and copy, unlabelled).
+    :func:`offload_examples.instruments.timeline.record_timeline` (every kernel and copy, unlabelled).
     Where a copy's bar sits above a stretch of green, it ran while the GPU computed.
     """
     from .timeline import LANES
@@ -170,7 +170,7 @@ def _copy_lane(ax: Axes, spans: Sequence, y: int, total: float) -> None:
 
 
 def plot_memory_curves(curves: Mapping[str, object], ax: Axes | None = None, title: str = "") -> Axes:
-    """GPU memory over one step, one curve per run (:func:`offload_examples.memory_history.record_memory_curve`).
+    """GPU memory over one step, one curve per run (:func:`offload_examples.instruments.memory_history.record_memory_curve`).
 
     Each curve is shaded down to zero, so where two runs are drawn the band between them is
     the memory one saves over the other, moment by moment; the peaks are marked.

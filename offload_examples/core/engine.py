@@ -1,7 +1,7 @@
 """The offload engine: the whole life of an offloaded tensor, in the order it happens.
 
 1. **Saved.** Inside ``with ctx:`` autograd hands every tensor it saves for backward to
-   :meth:`OffloadEngine._pack`. :func:`~offload_examples.policy.keep_reason` keeps weights, small
+   :meth:`OffloadEngine._pack`. :func:`~offload_examples.core.policy.keep_reason` keeps weights, small
    tensors and tensors of layers that are not offloaded on the device. Any other tensor is looked
    up by its *storage*: the first tensor of a storage creates a :class:`_StorageRecord`, later
    tensors of the same storage (views, the same tensor saved again) reuse it, so each storage is
@@ -28,7 +28,7 @@
    stream has waited for the copies, and the host buffer goes back to the pool, tagged with the
    event of the last copy that touched it so that its next user can wait for it.
 
-Every copy goes through :meth:`Streams.copy <offload_examples.streams.Streams.copy>`, which
+Every copy goes through :meth:`Streams.copy <offload_examples.core.streams.Streams.copy>`, which
 keeps the stream rules in one place. Records hold no reference to the engine and hold the saved
 tensor detached, so a dropped graph frees its memory at once, without the garbage collector.
 Without a GPU the same code runs with CPU tensors: copies are synchronous and land in separate
@@ -238,7 +238,7 @@ class OffloadEngine:
         Which layers are offloaded and when they are released and reloaded: a
         :class:`~offload_examples.DefaultSchedule` (copies start as tensors are saved), a
         :class:`~offload_examples.SyncDictSchedule` (copies start when a layer's forward ends),
-        or a :class:`~offload_examples.schedule.ManualSchedule` (``None`` builds one from
+        or a :class:`~offload_examples.core.schedule.ManualSchedule` (``None`` builds one from
         ``model_layers``): nothing happens until :attr:`synchronizer`'s methods are called.
     model_layers:
         Context entries per iteration; only with ``schedule=None`` (schedules carry their own).
@@ -295,7 +295,7 @@ class OffloadEngine:
     # ------------------------------------------------------------------ public read-outs
     @property
     def recorder(self) -> Any:
-        """Timing marks for one step (:func:`offload_examples.timeline.record_layer_timeline` sets it)."""
+        """Timing marks for one step (:func:`offload_examples.instruments.timeline.record_layer_timeline` sets it)."""
         return self.streams.observer
 
     @recorder.setter

@@ -13,7 +13,7 @@ Two recorders, one kind of result (a list of :class:`Span`):
   or without the engine. There is no Nsight Systems on every GPU machine; this needs none.
 
 Overlap is then a plain interval computation (:func:`overlap_ms`), and
-:func:`offload_examples.plots.plot_timeline` draws either kind.
+:func:`offload_examples.instruments.plots.plot_timeline` draws either kind.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Callable, Sequence, Union
 import torch
 
 if TYPE_CHECKING:
-    from .engine import OffloadEngine
+    from ..core.engine import OffloadEngine
 
 __all__ = [
     "LANES", "Span", "StepRecorder", "achieved_gb_per_s", "overlap_ms", "record_layer_timeline", "record_timeline",
@@ -144,7 +144,7 @@ Mark = Union[torch.cuda.Event, float]
 
 
 class StepRecorder:
-    """Timing marks that :class:`~offload_examples.engine.OffloadEngine` puts on its streams.
+    """Timing marks that :class:`~offload_examples.core.engine.OffloadEngine` puts on its streams.
 
     The engine calls :meth:`mark` and the two ``add_*`` methods while :attr:`OffloadEngine.recorder`
     is set; :func:`record_layer_timeline` sets it for one step and turns the marks into spans.

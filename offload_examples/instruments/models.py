@@ -43,7 +43,7 @@ def import_transformer_engine() -> bool:
     if torch.cuda.is_initialized():
         raise RuntimeError("import transformer_engine.pytorch before CUDA starts: CUDA is already initialised, so a "
                            "system cuDNN may be loaded in place of Transformer Engine's; call "
-                           "offload_examples.models.import_transformer_engine() before any CUDA work")
+                           "offload_examples.instruments.models.import_transformer_engine() before any CUDA work")
     import transformer_engine.pytorch  # noqa: F401
 
     return True

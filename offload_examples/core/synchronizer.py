@@ -2,7 +2,7 @@
 
 Transformer Engine calls this object ``ManualOffloadSynchronizer``; :func:`get_cpu_offload_context`
 returns it as the third element with ``manual_synchronization=True``. Each method is one legal move
-of :class:`~offload_examples.engine.LayerState`; a call out of order raises at once.
+of :class:`~offload_examples.core.engine.LayerState`; a call out of order raises at once.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ After = Union[torch.cuda.Stream, torch.cuda.Event, None]
 
 
 class CopyObserver(Protocol):
-    """Receives timing marks around copies (see :class:`offload_examples.timeline.StepRecorder`)."""
+    """Receives timing marks around copies (see :class:`offload_examples.instruments.timeline.StepRecorder`)."""
 
     def mark(self, stream: torch.cuda.Stream | None) -> object: ...
 

@@ -11,7 +11,7 @@ The life of one offloaded parameter's data, in the order it happens:
    ``fraction`` by less than one parameter (:attr:`OptimizerOffload.offloaded_fraction` says by
    how much). ``fraction=1.0`` offloads every parameter, zero-size ones included.
 2. **Mirrored.** At construction the parameter borrows two pinned buffers from a
-   :class:`~offload_examples.host_pool.HostBufferPool`: a *master* copy, filled once from the
+   :class:`~offload_examples.core.host_pool.HostBufferPool`: a *master* copy, filled once from the
    device, and a gradient buffer. It gets its own optimizer over the master, so it can be updated
    as soon as its own gradient has arrived (for an elementwise optimizer, one optimizer per
    parameter computes exactly what one optimizer over all of them would). The optimizer state it
@@ -99,9 +99,9 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from .engine import GraphCaptureError
-from .host_pool import HostBuffer, HostBufferPool
-from .streams import Streams
+from ..core.engine import GraphCaptureError
+from ..core.host_pool import HostBuffer, HostBufferPool
+from ..core.streams import Streams
 
 __all__ = ["OptimizerOffload", "SUPPORTED_OPTIMIZERS"]
 

@@ -4,7 +4,7 @@ PyTorch's allocator can log every allocation and free with a timestamp
 (``torch.cuda.memory._record_memory_history``). Summing those events gives the bytes
 allocated at every moment of the step: the same quantity as ``torch.cuda.memory_allocated()``,
 but as a curve rather than a peak, so two runs drawn together show the offloading saving as the
-area between them (:func:`offload_examples.plots.plot_memory_curves`).
+area between them (:func:`offload_examples.instruments.plots.plot_memory_curves`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The life of one layer's weights during a training step, in the order it happens:
 
 1. **At rest.** All parameters of layer ``l`` share one flat pinned host buffer (from the same
-   :class:`~offload_examples.host_pool.HostBufferPool` the activation engine uses); each
+   :class:`~offload_examples.core.host_pool.HostBufferPool` the activation engine uses); each
    parameter's ``.data`` is a view of it, so an optimizer on the host updates them in place.
 2. **Loaded.** GPU memory for the layer is allocated on the compute stream, and the
    host-to-device stream, after waiting for the compute stream (the memory may be what the
@@ -42,8 +42,8 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
-from .host_pool import HostBuffer, HostBufferPool
-from .streams import Streams
+from ..core.host_pool import HostBuffer, HostBufferPool
+from ..core.streams import Streams
 
 __all__ = ["StreamedLayers"]
 

@@ -1,4 +1,4 @@
-"""Execute the tutorial notebooks with injected parameters (``python -m offload_examples.notebooks``).
+"""Execute the tutorial notebooks with injected parameters (``python -m offload_examples.instruments.notebooks``).
 
 Each notebook has a first code cell tagged ``parameters``. To run it with other values, a cell
 tagged ``injected-parameters`` is placed right after it (the convention papermill uses), then the
@@ -8,11 +8,11 @@ Examples
 --------
 Re-execute every notebook in place at full size on a GPU node (what ``make notebooks`` does)::
 
-    python -m offload_examples.notebooks notebooks/*.ipynb --inplace
+    python -m offload_examples.instruments.notebooks notebooks/*.ipynb --inplace
 
 Run one small on the CPU, writing its results::
 
-    python -m offload_examples.notebooks notebooks/02_basic.ipynb -p device cpu -p size small -o /tmp/out.ipynb
+    python -m offload_examples.instruments.notebooks notebooks/02_basic.ipynb -p device cpu -p size small -o /tmp/out.ipynb
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def _literal(text: str) -> Any:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m offload_examples.notebooks", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m offload_examples.instruments.notebooks", description=__doc__.split("\n")[0])
     parser.add_argument("notebooks", nargs="+", type=Path)
     parser.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"))
     where = parser.add_mutually_exclusive_group(required=True)

@@ -292,7 +292,7 @@ def resident_vs_theory(engine) -> list[tuple[str, int, int, int]]:
 def memory_by_phase(model: nn.ModuleList, x: torch.Tensor, ctx, sync) -> list[tuple[str, int, int]]:
     """CUDA memory allocated at the start of every layer's forward and backward, for one step.
 
-    ``ctx`` must be an :class:`~offload_examples.engine.OffloadEngine` (use ``num_layers=0`` for a
+    ``ctx`` must be an :class:`~offload_examples.core.engine.OffloadEngine` (use ``num_layers=0`` for a
     run without offloading through the same hooks). A first step warms up; the second is traced.
     """
     ctx.record_memory = True

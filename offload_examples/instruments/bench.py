@@ -22,8 +22,8 @@ and the bandwidth its copies achieved. Output: JSON, a Markdown table and plots.
 
 Run it::
 
-    python -m offload_examples.bench                     # the full grid on a GPU, tiny on a CPU
-    python -m offload_examples.bench --models A --ks 2 4 --out results/bench
+    python -m offload_examples bench                     # the full grid on a GPU, tiny on a CPU
+    python -m offload_examples bench --models A --ks 2 4 --out results/bench
 """
 
 from __future__ import annotations
@@ -44,16 +44,16 @@ import torch
 from torch import nn
 
 from offload_examples import DefaultSchedule, get_cpu_offload_context
-from offload_examples.cli import (
+from offload_examples.instruments.cli import (
     ArgumentParser, add_device, check_sizes, default_device, nonnegative_int, output_folder_arg, positive_int,
 )
-from offload_examples.measure import measure_paired, measure_steps, paired_overhead
-from offload_examples.memory_history import MemoryCurve, record_memory_curve
-from offload_examples.models import (
+from offload_examples.instruments.measure import measure_paired, measure_steps, paired_overhead
+from offload_examples.instruments.memory_history import MemoryCurve, record_memory_curve
+from offload_examples.instruments.models import (
     TE_LAYER, Checkpointed, build_basic_model, has_transformer_engine, import_transformer_engine, layer_kind,
 )
-from offload_examples.report import CPU_TIMING_NOTE, ProgressBar, format_bytes, format_markdown_table, write_json
-from offload_examples.timeline import Span, achieved_gb_per_s, record_layer_timeline
+from offload_examples.instruments.report import CPU_TIMING_NOTE, ProgressBar, format_bytes, format_markdown_table, write_json
+from offload_examples.instruments.timeline import Span, achieved_gb_per_s, record_layer_timeline
 
 __all__ = ["MODELS", "PLOTS_MISSING", "STRATEGIES", "BenchConfig", "ModelSpec", "main", "run", "write_outputs"]
 
@@ -218,7 +218,7 @@ def _step(forward: Forward, x: torch.Tensor) -> Callable[[], torch.Tensor]:
 def _link(device: torch.device) -> dict[str, float] | None:
     if device.type != "cuda":
         return None
-    from offload_examples.bandwidth import link_bandwidth
+    from offload_examples.instruments.bandwidth import link_bandwidth
 
     return link_bandwidth()
 
@@ -544,7 +544,7 @@ def _write_plots(results: dict[str, Any], out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from offload_examples.plots import plot_bench_memory_time, plot_bench_overhead, plot_memory_curves, plot_timeline
+    from offload_examples.instruments.plots import plot_bench_memory_time, plot_bench_overhead, plot_memory_curves, plot_timeline
 
     paths = []
     figures: dict[str, Any] = {"memory_vs_time.png": plot_bench_memory_time(results),
@@ -567,7 +567,7 @@ def _write_plots(results: dict[str, Any], out: Path) -> list[Path]:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     full, tiny = BenchConfig(), BenchConfig.tiny()
-    parser = ArgumentParser("offload_examples.bench", description=__doc__.split("\n")[0])
+    parser = ArgumentParser("offload_examples bench", description=__doc__.split("\n")[0])
     add_device(parser)
     parser.add_argument("--tiny", action="store_true", help="the CPU-sized grid on any device (the default on a CPU)")
     parser.add_argument("--models", nargs="+", choices=list(MODELS),
@@ -605,7 +605,3 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if any(r["status"] == "failed" for m in results["models"] for r in m["runs"]):
         print("some strategies failed; see the table", file=sys.stderr)
     return results
-
-
-if __name__ == "__main__":
-    main()

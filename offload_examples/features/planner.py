@@ -1,0 +1,351 @@
+"""A memory budget in, the fastest plan out: keep, offload or recompute each layer.
+
+The step modelled is :class:`~offload_examples.core.schedule.DefaultSchedule`'s: the forwards of layers
+``0 .. N-1``, then their backwards in reverse. Per layer:
+
+- ``KEEP``: its ``saved_bytes`` stay on the device from its forward to the end of its backward.
+- ``RECOMPUTE``: only its ``input_bytes`` stay; its backward first re-runs the forward (``forward_ms``
+  more) and holds ``saved_bytes`` on top of the input while it runs.
+- ``OFFLOAD``: its ``saved_bytes`` are copied out from the start of its forward and released, and
+  reloaded, at :class:`SubsetSchedule`'s points (for the first ``k`` layers these are exactly
+  ``DefaultSchedule(k, N)``'s, the only sets the engine runs today). A release waits for its copy
+  out, a backward for its reload; copies run one at a time per direction
+  (:meth:`DefaultSchedule.predict_step_ms`). The last layer is never offloaded.
+
+Peak memory is ``base_bytes`` plus the most saved bytes resident at any phase
+(:meth:`DefaultSchedule.simulate`, plus a recomputed layer's ``saved_bytes`` during its backward);
+the step time is ``predict_step_ms`` with each recomputed layer's backward lengthened by its
+forward. :func:`simulate_plan` is that model; :func:`plan` and :func:`pareto` search it.
+
+``LinkCost.both_gb_per_s`` never binds here: every release waits for its copy out and comes before
+the last forward, every reload starts at a backward, so the two directions are never busy at once.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from ..core.schedule import DefaultSchedule, Phase
+
+__all__ = [
+    "KEEP", "OFFLOAD", "RECOMPUTE", "Choice", "LayerCost", "LinkCost", "Plan", "SubsetSchedule", "pareto", "plan",
+    "simulate_plan",
+]
+
+#: ``prefix_only=False`` tries all ``3^N`` plans; beyond this many layers it refuses.
+EXHAUSTIVE_MAX_LAYERS = 10
+#: Step times are compared rounded to this many decimals of a ms, so rounding noise makes no tie.
+_DECIMALS = 9
+
+
+class Choice(str, Enum):
+    KEEP = "keep"
+    OFFLOAD = "offload"
+    RECOMPUTE = "recompute"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+KEEP, OFFLOAD, RECOMPUTE = Choice.KEEP, Choice.OFFLOAD, Choice.RECOMPUTE
+
+
+def _check(cls: str, name: str, value: Any, kind: type) -> None:
+    ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
+    if not (ok and math.isfinite(value) and value >= 0):
+        raise ValueError(f"{cls}.{name} must be a finite {kind.__name__} >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer's measured costs: compute time (ms) and what its forward holds for backward (bytes)."""
+
+    forward_ms: float
+    backward_ms: float
+    saved_bytes: int  # held from the forward to the backward when kept
+    input_bytes: int  # held instead when recomputed (the layer's input)
+
+    def __post_init__(self) -> None:
+        for name, kind in (("forward_ms", float), ("backward_ms", float), ("saved_bytes", int), ("input_bytes", int)):
+            _check("LayerCost", name, getattr(self, name), kind)
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """Pinned copy bandwidth in GB/s (1e6 bytes per ms): each way, and in total with both at once."""
+
+    d2h_gb_per_s: float
+    h2d_gb_per_s: float
+    both_gb_per_s: float
+
+    def __post_init__(self) -> None:
+        for name in ("d2h_gb_per_s", "h2d_gb_per_s", "both_gb_per_s"):
+            _check("LinkCost", name, getattr(self, name), float)
+            if getattr(self, name) == 0:
+                raise ValueError(f"LinkCost.{name} must be > 0")
+
+
+@dataclass(frozen=True)
+class SubsetSchedule(DefaultSchedule):
+    """:class:`DefaultSchedule`'s windows for any set of offloaded layers.
+
+    With ``s_0 < ... < s_{k-1}`` offloaded (never layer ``N - 1``, so ``s_j < N - k + j``), ``s_j``
+    is released when the forward of ``N - k + j`` starts and reloaded when the backward of
+    ``min(N - 1, s_j + reload_lead)`` starts (the one needed first first). For ``s_j = j`` these are
+    DefaultSchedule's points; the engine runs only those.
+    """
+
+    layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        n, s = self.model_layers, self.layers
+        if len(s) != self.num_layers or list(s) != sorted(set(s)) or any(not 0 <= i <= n - 2 for i in s):
+            raise ValueError(f"layers must be {self.num_layers} distinct sorted indices in [0, {n - 2}], got {s!r}")
+
+    def is_offloaded(self, layer: int) -> bool:
+        return layer in self.layers
+
+    def actions(self, phase: Phase, layer: int) -> list[tuple[str, int]]:
+        n, k = self.model_layers, self.num_layers
+        if phase == "forward":
+            return [("release", s) for j, s in enumerate(self.layers) if n - k + j == layer]
+        due = [s for s in self.layers if min(n - 1, s + self.reload_lead) == layer]
+        return [("reload", s) for s in sorted(due, reverse=True)]
+
+
+def _schedule(offloaded: list[int], n: int) -> DefaultSchedule:
+    k = len(offloaded)
+    return DefaultSchedule(k, n) if offloaded == list(range(k)) else SubsetSchedule(k, n, tuple(offloaded))
+
+
+def simulate_plan(choices: Sequence[Choice | str], costs: Sequence[LayerCost], link: LinkCost,
+                  base_bytes: int = 0) -> tuple[int, float]:
+    """``(peak_bytes, step_ms)`` that the model predicts for one choice per layer."""
+    choices = tuple(Choice(c) for c in choices)
+    n = len(costs)
+    if len(choices) != n or n == 0:
+        raise ValueError(f"need one choice per layer ({n} layers, at least 1), got {len(choices)}")
+    if choices[-1] is OFFLOAD:
+        raise ValueError("the last layer cannot be offloaded: its backward runs first")
+    sched = _schedule([i for i, c in enumerate(choices) if c is OFFLOAD], n)
+    off = [c.saved_bytes if ch is OFFLOAD else 0 for c, ch in zip(costs, choices)]
+    kept = [{KEEP: c.saved_bytes, RECOMPUTE: c.input_bytes, OFFLOAD: 0}[ch] for c, ch in zip(costs, choices)]
+    points = sched.simulate(off, kept).points
+    peak = max(total + (costs[j].saved_bytes if phase == "backward" and choices[j] is RECOMPUTE else 0)
+               for phase, j, _, total in points)
+    bwd = [c.backward_ms + (c.forward_ms if ch is RECOMPUTE else 0.0) for c, ch in zip(costs, choices)]
+    ms = sched.predict_step_ms([c.forward_ms for c in costs], bwd, off, link.d2h_gb_per_s, link.h2d_gb_per_s)
+    return base_bytes + peak, ms
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One choice per layer and what the model predicts for it.
+
+    When ``feasible`` is False no plan fits ``budget_bytes``: the choices are then those of the plan
+    with the lowest peak, and ``why`` says by how much it misses.
+    """
+
+    choices: tuple[Choice, ...]
+    predicted_peak_bytes: int
+    predicted_step_ms: float
+    feasible: bool = True
+    why: str = ""
+    budget_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "choices", tuple(Choice(c) for c in self.choices))
+
+    @property
+    def offload_prefix(self) -> int | None:
+        """``k`` when exactly the first ``k`` layers are offloaded (``num_layers`` for the engine), else None."""
+        k = self.choices.count(OFFLOAD)
+        return k if all(c is OFFLOAD for c in self.choices[:k]) else None
+
+    @property
+    def recomputed(self) -> tuple[int, ...]:
+        return tuple(i for i, c in enumerate(self.choices) if c is RECOMPUTE)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"choices": [c.value for c in self.choices], "predicted_peak_bytes": self.predicted_peak_bytes,
+                "predicted_step_ms": self.predicted_step_ms, "feasible": self.feasible, "why": self.why,
+                "budget_bytes": self.budget_bytes}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        return cls(tuple(data["choices"]), int(data["predicted_peak_bytes"]), float(data["predicted_step_ms"]),
+                   bool(data["feasible"]), str(data.get("why", "")), data.get("budget_bytes"))
+
+    def __str__(self) -> str:
+        mib = 2**20
+        budget = "" if self.budget_bytes is None else f" (budget {self.budget_bytes / mib:.2f} MiB)"
+        head = [(f"plan for {len(self.choices)} layers: peak {self.predicted_peak_bytes / mib:.2f} MiB{budget}, "
+                 f"step {self.predicted_step_ms:.3f} ms")]
+        if not self.feasible:
+            head.append(f"infeasible: {self.why}")
+        return "\n".join(head + ["layer  choice"] + [f"{i:5d}  {c.value}" for i, c in enumerate(self.choices)])
+
+
+def _nondominated(items: list[tuple], dims: int) -> list[tuple]:
+    """Items that no other item beats or equals in all of its first ``dims`` (2 or 3) entries, all
+    minimised; sorting on the other entries (but the last) breaks ties: the first of equals stays.
+
+    Sorted by the first entry, an item is dominated when one kept before it has entries 2 and 3 no
+    greater: a staircase of those pairs (the second increasing, the third decreasing) answers that.
+    """
+    kept: list[tuple] = []
+    seconds: list[float] = []
+    thirds: list[float] = []
+    for it in sorted(items, key=lambda s: s[:-1]):
+        a, b = it[1], (it[2] if dims == 3 else 0)
+        i = bisect.bisect_right(seconds, a)
+        if i and thirds[i - 1] <= b:
+            continue
+        lo = i - 1 if i and seconds[i - 1] == a else i
+        hi = i
+        while hi < len(thirds) and thirds[hi] >= b:
+            hi += 1
+        seconds[lo:hi], thirds[lo:hi] = [a], [b]
+        kept.append(it)
+    return kept
+
+
+def _prefix_front(costs: Sequence[LayerCost], link: LinkCost, k: int, cap: float) -> list[tuple]:
+    """``(step_ms, peak_saved_bytes, changes, choices)`` of the non-dominated plans with the first
+    ``k`` layers offloaded, the others kept or recomputed, and at most ``cap`` bytes resident."""
+    n = len(costs)
+    sched = DefaultSchedule(k, n)
+    off = [c.saved_bytes if i < k else 0 for i, c in enumerate(costs)]
+    points = sched.simulate(off, [0] * n).points
+    fixed = max((total for _, j, _, total in points if j < k), default=0)  # no other layer is held there
+    resident = {(phase, j): total for phase, j, _, total in points}  # offloaded bytes on the device
+    if fixed > cap:
+        return []
+    fwd, bwd = [c.forward_ms for c in costs], [c.backward_ms for c in costs]
+
+    def step_ms(lengthen: int | None = None, by: float = 0.0) -> float:
+        b = [x + (by if i == lengthen else 0.0) for i, x in enumerate(bwd)]
+        return sched.predict_step_ms(fwd, b, off, link.d2h_gb_per_s, link.h2d_gb_per_s)
+
+    # step time = max over g of cut[g] + (recompute ms of layers > g): see plan(). cut[g] is read off
+    # by lengthening the backward of layer g + 1 by more than the whole step.
+    bump = step_ms() + 1.0
+    cut = {g: round(step_ms(g + 1, bump) - bump, _DECIMALS) for g in range(k - 1, n - 1)}
+    cut[n - 1] = round(step_ms(), _DECIMALS)
+    states = [(cut[k - 1], fixed, 0, 0, ())]  # (alpha, peak so far, bytes held by layers k..j, recomputes, choices)
+    for j in range(k, n):
+        c, new = costs[j], []
+        for alpha, peak, held, nrec, ch in states:
+            for rec in (False, True):
+                h = held + (c.input_bytes if rec else c.saved_bytes)
+                during = resident[("backward", j)] + h + (c.saved_bytes if rec else 0)
+                p = max(peak, resident[("forward", j)] + h, during)
+                if p <= cap:
+                    a = round(max(alpha + (c.forward_ms if rec else 0.0), cut[j]), _DECIMALS)
+                    new.append((a, p, h, nrec + rec, ch + (rec,)))
+        states = _nondominated(new, 3)
+    return [(alpha, peak, k + nrec, (OFFLOAD,) * k + tuple(RECOMPUTE if r else KEEP for r in ch))
+            for alpha, peak, _, nrec, ch in states]
+
+
+def _front(costs: Sequence[LayerCost], link: LinkCost, base_bytes: int, cap: float,
+           prefix_only: bool) -> list[tuple]:
+    """Non-dominated ``(rounded step_ms, peak_bytes, changes, step_ms, choices)`` with peak <= ``cap``."""
+    n = len(costs)
+    if prefix_only:
+        found = [f for k in range(n) for f in _prefix_front(costs, link, k, cap - base_bytes)]
+        found = [f[3] for f in _nondominated(found, 2)]  # then re-simulated: the numbers reported
+    elif n > EXHAUSTIVE_MAX_LAYERS:
+        raise ValueError(f"prefix_only=False tries all 3^N plans: N={n} > {EXHAUSTIVE_MAX_LAYERS} layers is "
+                         "too many (and the engine offloads only the first k layers)")
+    else:
+        found = [ch for ch in itertools.product(Choice, repeat=n) if ch[-1] is not OFFLOAD]
+    out = []
+    for ch in found:
+        peak, ms = simulate_plan(ch, costs, link, base_bytes)
+        if peak <= cap:
+            out.append((round(ms, _DECIMALS), peak, sum(c is not KEEP for c in ch), ms, ch))
+    return _nondominated(out, 2)
+
+
+def _validate(costs: Sequence[LayerCost], link: LinkCost, base_bytes: int) -> list[LayerCost]:
+    costs = list(costs)
+    if not costs or not all(isinstance(c, LayerCost) for c in costs):
+        raise ValueError("costs must be a non-empty sequence of LayerCost")
+    if not isinstance(link, LinkCost):
+        raise TypeError(f"link must be a LinkCost, got {type(link).__name__}")
+    _check("plan", "base_bytes", base_bytes, int)
+    return costs
+
+
+def _summary(choices: tuple[Choice, ...]) -> str:
+    for c in Choice:
+        if all(x is c for x in choices):
+            return f"{c.value} every layer"
+    return ", ".join(f"{c.value} {choices.count(c)}" for c in Choice if c in choices)
+
+
+def plan(costs: Sequence[LayerCost], link: LinkCost, budget_bytes: int, base_bytes: int = 0,
+         prefix_only: bool = True) -> Plan:
+    """The fastest predicted plan whose predicted peak is <= ``budget_bytes``.
+
+    Ties go to the lower peak, then (among the plans the search kept) to fewer layers changed from
+    KEEP, so a budget no plan beats on time and peak gives every layer KEEP. No plan fitting gives
+    ``feasible=False``, the lowest-peak plan, and ``why``.
+
+    Algorithm (``prefix_only=True``, the sets the engine runs): for each ``k`` in ``0 .. N-1`` the
+    first ``k`` layers are offloaded and a dynamic program walks layers ``k .. N-1`` in forward
+    order choosing KEEP or RECOMPUTE. Two facts make the walk exact:
+
+    - Memory. At every phase the resident bytes are those of the offloaded layers (fixed by ``k``:
+      ``DefaultSchedule.simulate``) plus ``held``, what layers ``k .. j`` hold (+ a recomputed
+      layer's ``saved_bytes`` during its backward), so the peak so far and ``held`` decide what the
+      remaining layers can do, and less of either is never worse.
+    - Time. ``predict_step_ms`` is a longest path over the phases. The backwards of layers
+      ``N-1 .. k`` run first and wait for nothing, so every path through them covers a suffix
+      ``N-1 .. g+1``: the step is ``max_g cut[g] + sum(forward_ms of recomputed layers > g)``
+      for ``g`` in ``k-1 .. N-1``, with ``cut[g]`` the same maximum with nothing recomputed (read
+      off ``predict_step_ms``). Walking up, ``alpha = max_{g<j} cut[g] + sum(recomputed in g+1..j-1)``
+      is all the past contributes, and a lower alpha is never worse.
+
+    A state ``(alpha, peak, held)`` beaten or equalled in all three by another is dropped, so the
+    result is optimal under :func:`simulate_plan` (the tests check it against all plans by brute
+    force). Cost: ``O(N^2)`` calls of ``predict_step_ms`` plus about ``O(N F log F)`` per ``k``, ``F``
+    the number of states kept. No polynomial bounds ``F`` (the choice contains 0/1 knapsack, so
+    no exact search is polynomial); measured for :func:`pareto` on a CPU: ``F = N + 1`` for
+    identical layers (N = 96: 2.4 s), 176 for 48 layers of two kinds, 3,600 for 64 layers of random
+    costs (9 s).
+
+    ``prefix_only=False`` allows any set of offloaded layers (:class:`SubsetSchedule`, not yet run
+    by the engine) and tries every plan: exact, for up to :data:`EXHAUSTIVE_MAX_LAYERS` layers.
+    """
+    costs = _validate(costs, link, base_bytes)
+    _check("plan", "budget_bytes", budget_bytes, int)
+    front = _front(costs, link, base_bytes, budget_bytes, prefix_only)
+    if front:
+        _, peak, _, ms, ch = front[0]
+        return Plan(ch, peak, ms, True, "", budget_bytes)
+    _, peak, _, ms, ch = min(_front(costs, link, base_bytes, math.inf, prefix_only), key=lambda p: p[1::-1])
+    if base_bytes > budget_bytes:
+        why = f"base_bytes={base_bytes} alone exceed the budget of {budget_bytes} bytes"
+    else:
+        why = (f"even the plan with the lowest peak ({_summary(ch)}) needs {peak} bytes > budget {budget_bytes} "
+               f"bytes ({base_bytes} of them base_bytes)" + ("; OFFLOAD limited to a prefix" if prefix_only else ""))
+    return Plan(ch, peak, ms, False, why, budget_bytes)
+
+
+def pareto(costs: Sequence[LayerCost], link: LinkCost, base_bytes: int = 0, prefix_only: bool = True) -> list[Plan]:
+    """Every plan that no other beats on both predicted peak and step time, by increasing peak.
+
+    Same search as :func:`plan` without a budget; for each budget, :func:`plan` returns one of these.
+    """
+    costs = _validate(costs, link, base_bytes)
+    front = _front(costs, link, base_bytes, math.inf, prefix_only)
+    return [Plan(ch, peak, ms) for _, peak, _, ms, ch in sorted(front, key=lambda p: p[1::-1])]

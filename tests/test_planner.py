@@ -1,0 +1,255 @@
+"""The planner against brute force: every plan of small models, under the same simulation.
+
+Two kinds of random instances: general floats (times compared to 1e-9 relative), and "exact" ones
+whose times and copy times are small dyadic numbers, so every sum is exact and ties are real ties
+(then the tie-break, lower peak, is checked too).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from offload_examples.core.schedule import DefaultSchedule
+from offload_examples.features.planner import (
+    KEEP,
+    OFFLOAD,
+    RECOMPUTE,
+    Choice,
+    LayerCost,
+    LinkCost,
+    Plan,
+    SubsetSchedule,
+    _prefix_front,
+    pareto,
+    plan,
+    simulate_plan,
+)
+
+EXAMPLES = settings(max_examples=30, deadline=None)
+MB = 1_000_000
+
+
+def instance(data, exact: bool, max_layers: int = 6):
+    n = data.draw(st.integers(1, max_layers), label="layers")
+    if exact:  # copy time = bytes / (GB/s * 1e6) ms: multiples of 1/8 ms
+        ms, nbytes = st.integers(0, 8).map(float), st.integers(0, 8).map(lambda x: x * MB)
+        bw = st.sampled_from([0.5, 1.0, 2.0, 4.0])
+    else:
+        ms, nbytes, bw = st.floats(0.0, 10.0), st.integers(0, 10**8), st.floats(0.5, 50.0)
+    costs = [LayerCost(data.draw(ms), data.draw(ms), data.draw(nbytes), data.draw(nbytes)) for _ in range(n)]
+    link = LinkCost(data.draw(bw), data.draw(bw), data.draw(bw))
+    base = data.draw(st.integers(0, 4).map(lambda x: x * MB) if exact else st.integers(0, 10**6), label="base")
+    return costs, link, base
+
+
+def every_plan(n: int, prefix_only: bool):
+    for ch in itertools.product(Choice, repeat=n):
+        k = ch.count(OFFLOAD)
+        if ch[-1] is not OFFLOAD and (not prefix_only or all(c is OFFLOAD for c in ch[:k])):
+            yield ch
+
+
+def brute_force(costs, link, base, prefix_only):
+    return {ch: simulate_plan(ch, costs, link, base) for ch in every_plan(len(costs), prefix_only)}
+
+
+def draw_budget(data, results):
+    peaks = sorted({peak for peak, _ in results.values()})
+    return data.draw(st.one_of(st.sampled_from(peaks), st.integers(0, peaks[-1] + 1)), label="budget")
+
+
+def close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
+
+
+def check_against_brute_force(data, exact: bool, prefix_only: bool, max_layers: int = 6) -> None:
+    costs, link, base = instance(data, exact, max_layers)
+    results = brute_force(costs, link, base, prefix_only)
+    budget = draw_budget(data, results)
+    got = plan(costs, link, budget, base, prefix_only=prefix_only)
+    fits = {ch: r for ch, r in results.items() if r[0] <= budget}
+    assert (got.predicted_peak_bytes, got.predicted_step_ms) == simulate_plan(got.choices, costs, link, base)
+    assert got.choices in results  # OFFLOAD only on a prefix when prefix_only
+    if not fits:
+        assert not got.feasible and got.predicted_peak_bytes == min(p for p, _ in results.values())
+        return
+    assert got.feasible and got.predicted_peak_bytes <= budget and got.why == ""
+    best = min(ms for _, ms in fits.values())
+    if exact:
+        assert got.predicted_step_ms == best
+        assert got.predicted_peak_bytes == min(p for p, ms in fits.values() if ms == best)  # ties: lower peak
+    else:
+        assert close(got.predicted_step_ms, best)
+
+
+@EXAMPLES
+@given(st.data())
+def test_optimal_against_every_prefix_plan(data):
+    check_against_brute_force(data, exact=False, prefix_only=True)
+
+
+@EXAMPLES
+@given(st.data())
+def test_optimal_and_ties_to_lower_peak_exact(data):
+    check_against_brute_force(data, exact=True, prefix_only=True)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.data())
+def test_any_offload_set_against_brute_force(data):
+    check_against_brute_force(data, exact=True, prefix_only=False, max_layers=5)
+
+
+@EXAMPLES
+@given(st.data())
+def test_pareto_is_the_brute_force_front(data):
+    costs, link, base = instance(data, exact=True)
+    results = brute_force(costs, link, base, True)
+    front = {(ms, peak) for peak, ms in results.values()
+             if not any(m <= ms and p <= peak and (m, p) != (ms, peak) for p, m in results.values())}
+    got = pareto(costs, link, base)
+    assert {(p.predicted_step_ms, p.predicted_peak_bytes) for p in got} == front
+    assert [p.predicted_peak_bytes for p in got] == sorted(p.predicted_peak_bytes for p in got)
+    for p in got:  # each point is what plan() gives at that budget
+        assert plan(costs, link, p.predicted_peak_bytes, base).predicted_step_ms == p.predicted_step_ms
+
+
+@EXAMPLES
+@given(st.data())
+def test_search_states_predict_what_the_simulation_does(data):
+    """What the dynamic program believes of every plan it keeps (its time as ``max_g cut[g] + ...``,
+    its peak from the bytes held) is exactly what :func:`simulate_plan` says."""
+    costs, link, _ = instance(data, exact=True)
+    for k in range(len(costs)):
+        for alpha, peak, changes, choices in _prefix_front(costs, link, k, math.inf):
+            assert simulate_plan(choices, costs, link) == (peak, alpha)
+            assert choices[:k] == (OFFLOAD,) * k and changes == sum(c is not KEEP for c in choices)
+
+
+def test_recompute_hides_behind_a_reload():
+    """Layer 0 (8 MB, recomputing it saves nothing) is offloaded and reloaded during the backward of
+    layer 1, whose 8 ms copy leaves room to recompute layer 1 (5 ms) for free; layer 2 would cost."""
+    costs = [LayerCost(1.0, 1.0, 8 * MB, 8 * MB), LayerCost(5.0, 1.0, 4 * MB, 0), LayerCost(5.0, 1.0, 4 * MB, 0),
+             LayerCost(1.0, 1.0, 4 * MB, 0)]
+    link = LinkCost(1.0, 1.0, 1.0)
+    assert simulate_plan([OFFLOAD, KEEP, RECOMPUTE, KEEP], costs, link) == (12 * MB, 28.0)
+    assert simulate_plan([KEEP, RECOMPUTE, RECOMPUTE, KEEP], costs, link) == (12 * MB, 26.0)
+    got = plan(costs, link, 12 * MB)
+    assert got.choices == (OFFLOAD, RECOMPUTE, KEEP, KEEP)
+    assert (got.predicted_peak_bytes, got.predicted_step_ms) == (12 * MB, 23.0)
+
+
+@EXAMPLES
+@given(st.data())
+def test_ample_budget_costs_no_time(data):
+    costs, link, base = instance(data, exact=False)
+    keep_peak, keep_ms = simulate_plan([KEEP] * len(costs), costs, link, base)
+    got = plan(costs, link, keep_peak + data.draw(st.integers(0, 10**6)), base)
+    assert got.predicted_step_ms == keep_ms  # nothing is faster than keeping everything
+    assert got.choices == (KEEP,) * len(costs) or got.predicted_peak_bytes < keep_peak  # free saving only
+
+
+def test_ample_budget_keeps_every_layer():
+    costs = [LayerCost(1.0, 2.0, 40 * MB, 4 * MB) for _ in range(5)]
+    link = LinkCost(1.0, 1.0, 1.5)  # a 40 MB copy takes 40 ms: offloading cannot hide
+    keep_peak, _ = simulate_plan([KEEP] * 5, costs, link, 7)
+    for budget in (keep_peak, 10 * keep_peak):
+        assert plan(costs, link, budget, base_bytes=7).choices == (KEEP,) * 5
+
+
+def test_semantics_by_hand():
+    costs = [LayerCost(1.0, 2.0, 100, 10) for _ in range(3)]
+    link = LinkCost(1.0, 1.0, 1.0)
+    assert simulate_plan([KEEP, KEEP, KEEP], costs, link, 5) == (305, 9.0)
+    # recompute 0 and 1: 10 + 10 + 100 held at the last forward, and during the backward of layer 1
+    # (10 + its input 10 + its saved 100); each recomputation adds its forward to the step
+    assert simulate_plan([RECOMPUTE, RECOMPUTE, KEEP], costs, link, 0) == (120, 11.0)
+    # offload layer 0: released at the forward of layer 2, reloaded at the backward of layer 1
+    peak, ms = simulate_plan([OFFLOAD, KEEP, KEEP], costs, link, 0)
+    assert (peak, ms) == (200, 9.0)  # the 1e-4 ms copies hide behind compute
+    assert DefaultSchedule(1, 3).actions("forward", 2) == [("release", 0)]
+
+
+def test_infeasible_budgets_say_why():
+    costs = [LayerCost(1.0, 2.0, 100 * MB, 10 * MB) for _ in range(4)]
+    link = LinkCost(10.0, 10.0, 12.0)
+    lowest = min(p.predicted_peak_bytes for p in pareto(costs, link, base_bytes=MB))
+    got = plan(costs, link, lowest - 1, base_bytes=MB)
+    assert not got.feasible and got.predicted_peak_bytes == lowest
+    assert f"needs {lowest} bytes > budget {lowest - 1} bytes" in got.why and "even the plan" in got.why
+    assert "infeasible" in str(got)
+    got = plan(costs, link, 10, base_bytes=11)
+    assert not got.feasible and "base_bytes=11 alone exceed the budget of 10 bytes" in got.why
+    all_recompute = [LayerCost(1.0, 1.0, 100, 0)] * 3
+    got = plan(all_recompute, link, 50, prefix_only=False)
+    assert not got.feasible and got.choices == (RECOMPUTE, RECOMPUTE, KEEP)
+
+
+@EXAMPLES
+@given(st.data())
+def test_serialisation_round_trips_and_prints_a_row_per_layer(data):
+    costs, link, base = instance(data, exact=False)
+    budget = data.draw(st.integers(0, 6 * 10**8))
+    got = plan(costs, link, budget, base)
+    back = Plan.from_dict(json.loads(json.dumps(got.to_dict())))
+    assert back == got and all(isinstance(c, Choice) for c in back.choices)
+    rows = re.findall(r"^\s*(\d+)\s+(keep|offload|recompute)$", str(got), flags=re.MULTILINE)
+    assert rows == [(str(i), c.value) for i, c in enumerate(got.choices)]
+
+
+def test_prefix_and_engine_call():
+    got = Plan((OFFLOAD, OFFLOAD, RECOMPUTE, KEEP), 1, 2.0)
+    assert got.offload_prefix == 2 and got.recomputed == (2,)
+    assert Plan((KEEP, OFFLOAD, KEEP), 1, 2.0).offload_prefix is None
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_subset_schedule_is_default_schedule_on_prefixes(n):
+    timeline = DefaultSchedule(0, n).timeline()
+    for k in range(n):
+        general, default = SubsetSchedule(k, n, tuple(range(k))), DefaultSchedule(k, n)
+        assert [general.actions(*p) for p in timeline] == [default.actions(*p) for p in timeline]
+
+
+@pytest.mark.parametrize("n", range(2, 8))
+def test_subset_schedule_windows(n):
+    """Every offloaded layer is released once, after its forward and by the last forward (so the two
+    directions never copy at once), and reloaded once, at a backward before its own."""
+    timeline = DefaultSchedule(0, n).timeline()
+    for k in range(n):
+        for layers in itertools.combinations(range(n - 1), k):
+            sched = SubsetSchedule(k, n, layers)
+            seen = [(pos, act) for pos, p in enumerate(timeline) for act in sched.actions(*p)]
+            for s in layers:
+                (rel,) = [pos for pos, act in seen if act == ("release", s)]
+                (rld,) = [pos for pos, act in seen if act == ("reload", s)]
+                assert s < rel <= n - 1 < rld < timeline.index(("backward", s))
+
+
+def test_subset_schedule_reloads_the_layer_needed_first_first():
+    sched = SubsetSchedule(2, 7, (4, 5))  # reload_lead 3: both reloads clip to the first backward
+    assert sched.actions("backward", 6) == [("reload", 5), ("reload", 4)]
+    assert sched.actions("forward", 5) == [("release", 4)] and sched.actions("forward", 6) == [("release", 5)]
+
+
+def test_rejects_bad_input():
+    with pytest.raises(ValueError, match="forward_ms"):
+        LayerCost(-1.0, 1.0, 1, 1)
+    with pytest.raises(ValueError, match="saved_bytes"):
+        LayerCost(1.0, 1.0, 1.5, 1)
+    with pytest.raises(ValueError, match="both_gb_per_s"):
+        LinkCost(1.0, 1.0, 0.0)
+    link, costs = LinkCost(1.0, 1.0, 1.0), [LayerCost(1.0, 1.0, 1, 1)] * 2
+    with pytest.raises(ValueError, match="last layer"):
+        simulate_plan([KEEP, OFFLOAD], costs, link)
+    with pytest.raises(ValueError, match="non-empty"):
+        plan([], link, 10)
+    with pytest.raises(ValueError, match="3\\^N"):
+        plan(costs * 6, link, 10, prefix_only=False)
