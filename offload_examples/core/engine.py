@@ -613,7 +613,7 @@ class OffloadEngine:
         stats = self.stats[layer]
         stats.saved_tensors += 1
         reason = keep_reason(t, self.device, self.min_offload_bytes)
-        if reason == f"tensor subclass {type(t).__name__}":
+        if reason is not None and type(t) not in (torch.Tensor, torch.nn.Parameter):
             self._warn_once("subclass", f"{reason} is not offloaded")
         deferred = reason == NOT_FROM_AUTOGRAD
         if reason is not None and not deferred:
