@@ -34,9 +34,14 @@ class LayerStats:
     """What the engine did with one layer's saved tensors in the current iteration."""
 
     saved_tensors: int = 0
-    #: Bytes of the distinct storages that could be offloaded (whether or not this layer is).
+    """Tensors autograd saved for backward inside the layer's context."""
     candidate_bytes: int = 0
+    """Bytes of the distinct storages that could be offloaded (whether or not this layer is)."""
     offloaded_tensors: int = 0
+    """Saved tensors that live in host memory between forward and backward."""
     offloaded_storages: int = 0
+    """Distinct storages copied to host memory (views of one storage are copied once)."""
     offloaded_bytes: int = 0
+    """Bytes copied to host memory."""
     kept_tensors: int = 0
+    """Saved tensors left on the device (weights, small tensors, layers not offloaded)."""

@@ -31,32 +31,24 @@ from offload_examples import get_cpu_offload_context
 from offload_examples.instruments.measure import compare_grads, deterministic_kernels, measure_steps, resident_vs_theory
 from offload_examples.instruments.models import build_basic_model
 from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table
-from offload_examples.scenarios.cli import ScenarioConfig, report_header, scenario_main
+from offload_examples.scenarios.cli import report_header, scenario_main
+from offload_examples.scenarios.sizes import ScenarioConfig, Timing, TransformerSize
 
 __all__ = ["BasicConfig", "format_report", "main", "run"]
 
 
 @dataclass
-class BasicConfig(ScenarioConfig):
+class BasicConfig(TransformerSize, Timing, ScenarioConfig):
     """Sizes of the basic scenario. The defaults are the full GPU size (about 19 GiB peak)."""
 
     layers: int = 20
     offload: int = 3
-    hidden: int = 1024
-    heads: int = 8
-    ffn: int = 4096
-    seq: int = 2048
     batch: int = 16
-    dtype: str = "bfloat16"
-    steps: int = 5
-    warmup: int = 2
     kind: str = "auto"
     retain_pinned: bool = True
-    seed: int = 0
 
-    #: The small size, which runs in seconds on a CPU: what it changes in the defaults above.
-    SMALL = dict(layers=6, offload=2, hidden=64, heads=4, ffn=256, seq=32, batch=4, dtype="float32",
-                 steps=2, warmup=1, kind="torch")
+    #: The small size, which runs in seconds on a CPU: what it changes here (the shared sizes have their own).
+    SMALL = dict(layers=6, offload=2, batch=4, kind="torch")
 
 
 def run(config: BasicConfig | None = None, device: torch.device | str | None = None,

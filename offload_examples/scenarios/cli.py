@@ -1,8 +1,9 @@
 """What every scenario shares: its sizes' base type and its command line,
 ``python -m offload_examples <name> [--small] [--json PATH]``.
 
-A scenario module provides a config dataclass derived from :class:`ScenarioConfig` (its fields are
-the full size; ``SMALL`` lists what differs at the small size), ``run`` and ``format_report``;
+A scenario module provides a config dataclass derived from
+:class:`~offload_examples.scenarios.sizes.ScenarioConfig` (its fields are the full size; ``SMALL``
+lists what differs at the small size), ``run`` and ``format_report``;
 :func:`scenario_main` turns the config's int and str fields into options. Every value is checked
 before the scenario starts (see :mod:`offload_examples.instruments.cli`): a bad one ends the command
 with one line on standard error and exit code 2.
@@ -12,67 +13,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import platform
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
 from offload_examples.instruments.cli import (
-    DTYPES, KINDS, ArgumentParser, add_device, add_json, check_kind, check_sizes, default_device, field_int_arg,
+    DTYPES, KINDS, ArgumentParser, add_device, add_json, check_kind, default_device, field_int_arg,
 )
 from offload_examples.instruments.models import import_transformer_engine
 from offload_examples.instruments.report import write_json
+from offload_examples.scenarios.sizes import ScenarioConfig
 
 __all__ = ["DEVICE", "Placement", "ScenarioConfig", "add_config_options", "report_header", "scenario_main"]
 
-C = TypeVar("C", bound="ScenarioConfig")
-
-
-class ScenarioConfig:
-    """Base of every scenario's sizes: a dataclass whose field defaults are the full (GPU) size.
-
-    A subclass sets ``SMALL``, the values that differ at the size that runs in seconds on a CPU,
-    and may override :meth:`check` for checks of its own. Every instance is checked as it is made
-    (:func:`~offload_examples.instruments.cli.check_sizes`): a value that cannot run raises ``ValueError``.
-    """
-
-    #: The small size: the fields whose value differs from the full size's default.
-    SMALL: ClassVar[dict[str, Any]] = {}
-    #: The field that ``offload`` must stay below (``None``: no such field).
-    OFFLOAD_OF: ClassVar[str | None] = "layers"
-
-    def __post_init__(self) -> None:
-        check_sizes(self, offload_of=self.OFFLOAD_OF)
-        self.check()
-
-    def check(self) -> None:
-        """Raise ``ValueError`` for values this scenario cannot run (beyond the shared checks)."""
-
-    @classmethod
-    def small(cls: type[C], **changes: Any) -> C:
-        """A size that runs in seconds on a CPU."""
-        return cls(**{**cls.SMALL, **changes})
-
-    @classmethod
-    def for_device(cls: type[C], device: torch.device, **changes: Any) -> C:
-        """The full size on a GPU, the small one elsewhere."""
-        return cls(**changes) if device.type == "cuda" else cls.small(**changes)
-
-    @classmethod
-    def for_run(cls: type[C], config: C | None, device: torch.device | str | None) -> tuple[C, torch.device]:
-        """What ``run(config, device)`` runs: ``device`` (default: cuda when available, else cpu) and
-        ``config`` (default: the size for that device).
-
-        Also asks cuBLAS for a fixed workspace: the scenarios compare gradients bit for bit, which
-        needs cuBLAS to pick the same reduction order in both runs; it reads this setting when its
-        first handle is made, so it only helps if nothing has run a matmul yet.
-        """
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        device = torch.device(device or default_device())
-        return config or cls.for_device(device), device
+C = TypeVar("C", bound=ScenarioConfig)
 
 
 def report_header(scenario: str, device: torch.device, config: ScenarioConfig) -> dict[str, Any]:
@@ -123,7 +80,9 @@ def add_config_options(parser: argparse.ArgumentParser, config_cls: type) -> lis
     """
     full, small = config_cls(), config_cls.small()
     names = []
-    for f in dataclasses.fields(config_cls):
+    # a scenario's own fields first, then the shared ones in FIELD_HELP's order
+    order = list(FIELD_HELP)
+    for f in sorted(dataclasses.fields(config_cls), key=lambda f: order.index(f.name) if f.name in order else -1):
         if f.type not in ("int", "str"):
             continue
         text = f"{FIELD_HELP.get(f.name, f.name.replace('_', ' '))} "

@@ -42,7 +42,8 @@ from offload_examples.instruments.measure import (
 from offload_examples.instruments.models import build_basic_model
 from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table
 from offload_examples.instruments.timeline import overlap_ms, record_timeline
-from offload_examples.scenarios.cli import ScenarioConfig, report_header, scenario_main
+from offload_examples.scenarios.cli import report_header, scenario_main
+from offload_examples.scenarios.sizes import ScenarioConfig, TransformerSize
 
 __all__ = ["GraphsConfig", "format_report", "main", "run"]
 
@@ -50,26 +51,20 @@ VARIANTS = ("eager", "eager + offload", "graphed", "graphed + offload")
 
 
 @dataclass
-class GraphsConfig(ScenarioConfig):
+class GraphsConfig(TransformerSize, ScenarioConfig):
     """Sizes of the CUDA graph scenario. The defaults are the GPU size."""
 
     layers: int = 12
     offload: int = 2
-    hidden: int = 1024
-    heads: int = 8
-    ffn: int = 4096
     seq: int = 1024
     batch: int = 8
-    dtype: str = "bfloat16"
     replays: int = 20
     checks: int = 5
     warmup: int = 3
     kind: str = "torch"
-    seed: int = 0
 
-    #: The small size, which runs in seconds on a CPU: what it changes in the defaults above.
-    SMALL = dict(layers=4, offload=2, hidden=64, heads=4, ffn=128, seq=16, batch=2, dtype="float32",
-                 replays=3, checks=3, warmup=1)
+    #: The small size, which runs in seconds on a CPU: what it changes here (the shared sizes have their own).
+    SMALL = dict(layers=4, ffn=128, seq=16, batch=2, replays=3, checks=3, warmup=1)
 
 
 def _check_all(refs: list[Measurement], inputs: list[torch.Tensor], step: Callable[[torch.Tensor], Measurement]

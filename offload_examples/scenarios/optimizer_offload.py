@@ -33,13 +33,14 @@ from offload_examples.instruments.cli import fractions_arg
 from offload_examples.instruments.measure import StepReport, training_step
 from offload_examples.instruments.models import build_linear_stack
 from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table
-from offload_examples.scenarios.cli import ScenarioConfig, report_header, scenario_main
+from offload_examples.scenarios.cli import report_header, scenario_main
+from offload_examples.scenarios.sizes import ScenarioConfig, Timing
 
 __all__ = ["OptimizerConfig", "format_report", "main", "run"]
 
 
 @dataclass
-class OptimizerConfig(ScenarioConfig):
+class OptimizerConfig(Timing, ScenarioConfig):
     """Sizes of the optimizer scenario: ``layers`` blocks of Linear(width, 4 width), GELU,
     Linear(4 width, width) in fp32, trained with Adam. The defaults are the GPU size."""
 
@@ -50,11 +51,9 @@ class OptimizerConfig(ScenarioConfig):
     fractions: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     lr: float = 1e-3
     steps: int = 10
-    warmup: int = 2
-    seed: int = 0
 
-    #: The small size, which runs in seconds on a CPU: what it changes in the defaults above.
-    SMALL = dict(layers=3, width=32, seq=8, batch=2, steps=4, warmup=1)
+    #: The small size, which runs in seconds on a CPU: what it changes here (the step counts have their own).
+    SMALL = dict(layers=3, width=32, seq=8, batch=2, steps=4)
 
     def check(self) -> None:
         if not self.fractions or not all(math.isfinite(f) and 0.0 <= f <= 1.0 for f in self.fractions):

@@ -36,7 +36,8 @@ from offload_examples.core.schedule import parse_order, sync_dict_for_order
 from offload_examples.instruments.measure import compare_grads, deterministic_kernels, measure_steps, resident_vs_theory
 from offload_examples.instruments.models import build_basic_model
 from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table
-from offload_examples.scenarios.cli import ScenarioConfig, report_header, scenario_main
+from offload_examples.scenarios.cli import report_header, scenario_main
+from offload_examples.scenarios.sizes import MicroBatches, ScenarioConfig, Timing, TransformerSize
 
 __all__ = ["ORDER", "SYNC_DICT", "PipelineConfig", "format_report", "main", "manual_step", "pipeline_step", "run"]
 
@@ -55,24 +56,13 @@ SYNC_DICT = {
 
 
 @dataclass
-class PipelineConfig(ScenarioConfig):
+class PipelineConfig(TransformerSize, MicroBatches, Timing, ScenarioConfig):
     """Sizes of the pipeline scenario. The defaults are the full GPU size."""
 
-    microbatches: int = 8
-    hidden: int = 1024
-    heads: int = 8
-    ffn: int = 4096
-    seq: int = 2048
-    micro_batch: int = 4
-    dtype: str = "bfloat16"
-    steps: int = 5
-    warmup: int = 2
     kind: str = "auto"
-    seed: int = 0
 
-    #: The small size, which runs in seconds on a CPU: what it changes in the defaults above.
-    SMALL = dict(hidden=64, heads=4, ffn=256, seq=32, micro_batch=2, dtype="float32", steps=2, warmup=1,
-                 kind="torch")
+    #: The small size, which runs in seconds on a CPU: what it changes here (the shared sizes have their own).
+    SMALL = dict(kind="torch")
 
     def check(self) -> None:
         if self.microbatches != 8:

@@ -38,31 +38,24 @@ from offload_examples.core.schedule import one_f_one_b_order, sync_dict_for_orde
 from offload_examples.instruments.measure import deterministic_kernels
 from offload_examples.instruments.models import build_basic_model
 from offload_examples.instruments.report import format_bytes, format_table
-from offload_examples.scenarios.cli import Placement, ScenarioConfig, scenario_main
+from offload_examples.scenarios.cli import Placement, scenario_main
+from offload_examples.scenarios.sizes import MicroBatches, ScenarioConfig, TransformerSize
 
 __all__ = ["DistConfig", "OffloadedStage", "expand_order", "main", "run"]
 
 
 @dataclass
-class DistConfig(ScenarioConfig):
+class DistConfig(TransformerSize, MicroBatches, ScenarioConfig):
     """Sizes of the multi-rank scenario; the defaults are the full GPU size."""
 
     stages: int = 2
     layers_per_stage: int = 6
     offload: int = 2
     microbatches: int = 4
-    hidden: int = 1024
-    heads: int = 8
-    ffn: int = 4096
-    seq: int = 2048
-    micro_batch: int = 4
-    dtype: str = "bfloat16"
     steps: int = 3
-    seed: int = 0
 
-    #: The small size, which runs in seconds on a CPU: what it changes in the defaults above.
-    SMALL = dict(layers_per_stage=3, offload=1, hidden=64, heads=4, ffn=256, seq=32, micro_batch=2,
-                 dtype="float32", steps=2)
+    #: The small size, which runs in seconds on a CPU: what it changes here (the shared sizes have their own).
+    SMALL = dict(layers_per_stage=3, offload=1, steps=2)
     OFFLOAD_OF = "layers_per_stage"
 
     def check(self) -> None:

@@ -36,13 +36,14 @@ from offload_examples.instruments.measure import (
 from offload_examples.instruments.models import Checkpointed, build_linear_stack
 from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table
 from offload_examples.instruments.timeline import overlap_ms, record_timeline
-from offload_examples.scenarios.cli import ScenarioConfig, report_header, scenario_main
+from offload_examples.scenarios.cli import report_header, scenario_main
+from offload_examples.scenarios.sizes import ScenarioConfig, Timing
 
 __all__ = ["WeightsConfig", "format_report", "main", "run"]
 
 
 @dataclass
-class WeightsConfig(ScenarioConfig):
+class WeightsConfig(Timing, ScenarioConfig):
     """Sizes of the weight-streaming scenario: ``layers`` blocks of Linear(width, 4 width), GELU,
     Linear(4 width, width), on ``batch x seq`` tokens. The defaults are the GPU size."""
 
@@ -51,12 +52,9 @@ class WeightsConfig(ScenarioConfig):
     seq: int = 2048
     batch: int = 8
     dtype: str = "bfloat16"
-    steps: int = 5
-    warmup: int = 2
-    seed: int = 0
 
-    #: The small size, which runs in seconds on a CPU: what it changes in the defaults above.
-    SMALL = dict(layers=4, width=64, seq=16, batch=2, dtype="float32", steps=2, warmup=1)
+    #: The small size, which runs in seconds on a CPU: what it changes here (the step counts have their own).
+    SMALL = dict(layers=4, width=64, seq=16, batch=2, dtype="float32")
 
 
 def _by_position(m: Measurement) -> Measurement:
