@@ -34,16 +34,13 @@ tensor detached, so a dropped graph frees its memory at once, without the garbag
 Without a GPU the same code runs with CPU tensors: copies are synchronous and land in separate
 host buffers, and the originals are released exactly when they would be on the GPU.
 
-**Inside a CUDA graph capture** the same six steps are recorded instead of run: every copy, event
-record and event wait above is a stream operation, so it becomes a node of the graph. Host buffers
-must already exist (the engine never pins during a capture), so step 2 takes them from the pool's
-free lists (kept by ``retain_pinned_cpu_buffers`` or :meth:`OffloadEngine.freeze_host_buffers`
-after an eager warm-up step), and the pool keeps them for the graph from then on. Step 2 does not
-wait for the buffer's last eager copy (``torch.cuda.graph`` synchronizes the device before the
-capture, and a capture may not wait on an event recorded outside it). A record may only be
-released, reloaded and used inside the capture that made it, so the forward and backward of
-offloaded layers must be captured together; otherwise :class:`GraphCaptureError` is raised during
-the capture, so a graph never replays with copies missing.
+**Inside a CUDA graph capture** the same steps are recorded instead of run (copies, event records
+and waits are stream operations). Step 2 takes host buffers from the pool's free lists, kept by
+``retain_pinned_cpu_buffers`` or :meth:`OffloadEngine.freeze_host_buffers` after an eager warm-up
+(the engine never pins during a capture), and skips the wait for a buffer's last eager copy
+(``torch.cuda.graph`` synchronizes first; a capture may not wait on an outside event). A record
+lives only inside the capture that made it: forward and backward of offloaded layers are captured
+together, or :class:`GraphCaptureError` is raised during the capture, never at replay.
 """
 
 from __future__ import annotations
@@ -53,16 +50,17 @@ import threading
 import warnings
 import weakref
 from types import TracebackType
-from typing import Any
 
 import torch
 
-from .errors import (GraphCaptureError, OffloadWarning, capture_mismatch_error, in_place_error, no_buffer_error,
+from .errors import (GraphCaptureError, OffloadWarning, aborted_step_error, capture_mismatch_error, in_place_error,
+                     nested_error, no_buffer_error, reload_never_started_error, timing_in_capture_error,
                      too_many_entries_error)
 from .layer_state import ALLOWED_FROM, LayerState, LayerStats
 from .host_pool import HostBuffer, HostBufferPool, HostMemoryLimitError, NoFreeBufferError
+from .readouts import EngineReadouts
 from .policy import NOT_FROM_AUTOGRAD, held_elsewhere, keep_reason, mark_not_offload
-from .schedule import DefaultSchedule, ManualSchedule, ResidentTrace, SyncDictSchedule
+from .schedule import DefaultSchedule, ManualSchedule, SyncDictSchedule
 from .streams import Streams
 from .synchronizer import OffloadSynchronizer
 
@@ -226,7 +224,7 @@ class _SavedView:
                 pass
 
 
-class OffloadEngine:
+class OffloadEngine(EngineReadouts):
     """Context manager that offloads saved activations of selected layers.
 
     Enter it once per layer and pass each layer's output through :meth:`sync`; see
@@ -282,7 +280,6 @@ class OffloadEngine:
         self.pool = HostBufferPool(
             pin_memory=device.type == "cuda", retain=retain_pinned_cpu_buffers, limit_bytes=host_memory_limit
         )
-        #: Set to ``True`` to log ``torch.cuda.memory_allocated()`` at each phase in :attr:`memory_trace`.
         self.record_memory = False
         self._lock = threading.RLock()  # views die and backward hooks run on autograd's threads
         self._warned: set[str] = set()
@@ -292,37 +289,7 @@ class OffloadEngine:
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._new_iteration()
 
-    # ------------------------------------------------------------------ public read-outs
-    @property
-    def recorder(self) -> Any:
-        """Timing marks for one step (:func:`offload_examples.instruments.timeline.record_layer_timeline` sets it)."""
-        return self.streams.observer
-
-    @recorder.setter
-    def recorder(self, value: Any) -> None:
-        self.streams.observer = value
-
-    @property
-    def offloaded_bytes(self) -> int:
-        """Bytes copied to host memory in the current (or last) iteration."""
-        return sum(s.offloaded_bytes for s in self.stats)
-
-    def theoretical(self) -> ResidentTrace:
-        """The schedule's prediction for the bytes this iteration saved and offloaded.
-
-        Its ``saving`` is the peak-memory saving to expect in theory; its ``points`` say how many
-        offloaded bytes should be on the device at each phase (compare :attr:`resident_trace`).
-        A ``synchronization_dict`` without an order is walked along the order the phases ran in;
-        manual synchronization along the actions as they were called.
-        """
-        offloaded = [s.offloaded_bytes for s in self.stats]
-        kept = [s.candidate_bytes - s.offloaded_bytes for s in self.stats]
-        return self.schedule.predict(offloaded, kept, self.events)
-
-    def phase_order(self) -> list[tuple[str, int]]:
-        """The order in which layer phases started in the current (or last) iteration."""
-        return [(kind, j) for kind, j in self.events if kind in ("forward", "backward")]
-
+    # ------------------------------------------------------------------ controls (read-outs: EngineReadouts)
     def release_buffers(self) -> None:
         """Free the pinned host buffers that are not in use (those of captured graphs stay)."""
         self.pool.release()
@@ -370,16 +337,9 @@ class OffloadEngine:
             self._records: list[list[_StorageRecord]] = [[] for _ in range(n)]
             self._by_storage: list[dict[int, _StorageRecord]] = [{} for _ in range(n)]
             self._seen: list[set[int]] = [set() for _ in range(n)]
-            #: Where each layer is in its life this iteration (see :class:`LayerState`).
-            self.layer_state: list[LayerState] = [LayerState.NOT_RUN] * n
+            self.layer_state = [LayerState.NOT_RUN] * n
             self.stats = [LayerStats() for _ in range(n)]
-            #: ``(kind, layer)`` in the order the engine acted (see the module docstring).
-            self.events: list[tuple[str, int]] = []
-            #: ``(phase, layer, bytes)``: offloadable bytes on the device at the end of each
-            #: forward and at the start of each backward, as :meth:`DefaultSchedule.simulate` counts.
-            self.resident_trace: list[tuple[str, int, int]] = []
-            #: ``(phase, layer, bytes allocated on the device)`` when :attr:`record_memory` is set.
-            self.memory_trace: list[tuple[str, int, int]] = []
+            self.events, self.resident_trace, self.memory_trace = [], [], []  # the read-outs (EngineReadouts)
             self.resident_bytes = 0
             self.live_views = 0
             self._entered = 0
@@ -428,16 +388,9 @@ class OffloadEngine:
             return self
         self._passthrough = False
         if getattr(_active, "engine", None) is not None:
-            raise RuntimeError(
-                "another offload context is already active in this thread: contexts cannot be nested "
-                "(the inner one would take every tensor the outer one should see). Give each layer "
-                "one context; two models may each have their own, entered one after the other."
-            )
+            raise nested_error()
         if self.capturing() and self.recorder is not None:
-            raise GraphCaptureError(
-                "timing marks are read on the host after the step, which a CUDA graph replay never "
-                "reaches: record a timeline of an eager step, or of a replay with the profiler"
-            )
+            raise timing_in_capture_error()
         with self._lock:
             try:
                 if self._iteration_over():
@@ -596,17 +549,6 @@ class OffloadEngine:
             self.resident_trace.append(("backward", layer, self.resident_bytes))
             self._note_phase("backward", layer, ready)
 
-    def _check_iteration_shape(self) -> None:
-        """At the first backward: warn (once) when the forward did not look like the schedule."""
-        n, entered = self.model_layers, self._entered
-        if not self.schedule.interleaved and entered != n:
-            self._warn_once("entries", f"the offload context was entered {entered} times before the backward, "
-                            f"but model_layers={n}: layers are offloaded and released by their position, so "
-                            "set model_layers to the number of layers run inside the context")
-        elif self.schedule.releases_before_backward and not any(kind == "release" for kind, _ in self.events):
-            self._warn_once("no release", "no layer was released before the backward, so offloading saved no "
-                            "GPU memory in this iteration (check num_layers and model_layers)")
-
     # ------------------------------------------------------------------ autograd hooks
     def _pack(self, t: torch.Tensor) -> _Kept | _SavedView:
         layer = self._layer
@@ -654,10 +596,7 @@ class OffloadEngine:
             return view.unpack()
         rec = view.record
         if rec.aborted:
-            raise RuntimeError(
-                "this saved tensor belonged to a step that failed or was reset; its memory was given "
-                "back. Run the forward again before calling backward."
-            )
+            raise aborted_step_error()
         rec.check_capture("used by backward", self.capturing())
         rec.check_version()
         if rec.device is None:
@@ -669,11 +608,7 @@ class OffloadEngine:
 
     def _reload_on_demand(self, rec: _StorageRecord) -> None:
         if self.schedule.expects_reload(rec.layer) and rec.iteration == self.iteration:
-            raise RuntimeError(
-                f"{self.schedule.describe(rec.layer)}: backward needs layer {rec.layer}'s saved tensors "
-                "but their reload was never started (pass each layer's output through sync() so "
-                "backward triggers are seen)"
-            )
+            raise reload_never_started_error(self.schedule.describe(rec.layer), rec.layer)
         self._warn_once(
             "on_demand",
             f"layer {rec.layer}'s saved tensors were reloaded on demand (no overlap): {self.schedule.reload_hint}",
@@ -691,21 +626,6 @@ class OffloadEngine:
                     self.resident_bytes -= rec.nbytes
                 rec.free(self.capturing())
 
-    # ------------------------------------------------------------------ observers (no effect on copies)
-    def _mark(self) -> Any:
-        return self.recorder.mark(self.streams.current()) if self.recorder else None
-
-    def _note_phase(self, phase: str, layer: int, ready: Any) -> None:
-        """Log a phase that has started (its actions queued) for the memory and timing read-outs."""
-        if self.record_memory and self.streams.is_cuda:
-            self.memory_trace.append((phase, layer, torch.cuda.memory_allocated(self.device)))
-        if self.recorder:
-            self.recorder.add_phase(phase, layer, ready, self._mark())
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(message, OffloadWarning, stacklevel=3)
 
 
 def _grad_hook(engine_ref: weakref.ref, iteration: int, layer: int, grad: torch.Tensor) -> None:

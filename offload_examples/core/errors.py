@@ -63,3 +63,32 @@ def no_buffer_error(layer: int, captured: bool, err: Exception) -> GraphCaptureE
         why = ("the host buffers were frozen (freeze_host_buffers), so a step may only use buffers that "
                "earlier steps made; this step saves a tensor of a size they did not")
     return GraphCaptureError(f"layer {layer}: {err}: {why}")
+
+
+def nested_error() -> RuntimeError:
+    return RuntimeError(
+        "another offload context is already active in this thread: contexts cannot be nested "
+        "(the inner one would take every tensor the outer one should see). Give each layer "
+        "one context; two models may each have their own, entered one after the other."
+    )
+
+
+def timing_in_capture_error() -> GraphCaptureError:
+    return GraphCaptureError(
+        "timing marks are read on the host after the step, which a CUDA graph replay never "
+        "reaches: record a timeline of an eager step, or of a replay with the profiler"
+    )
+
+
+def aborted_step_error() -> RuntimeError:
+    return RuntimeError(
+        "this saved tensor belonged to a step that failed or was reset; its memory was given "
+        "back. Run the forward again before calling backward."
+    )
+
+
+def reload_never_started_error(schedule: str, layer: int) -> RuntimeError:
+    return RuntimeError(
+        f"{schedule}: backward needs layer {layer}'s saved tensors but their reload was never started "
+        "(pass each layer's output through sync() so backward triggers are seen)"
+    )
