@@ -1,8 +1,9 @@
 """The offload engine: the whole life of an offloaded tensor, in the order it happens.
 
-1. **Saved.** Inside ``with ctx:`` autograd hands every tensor it saves for backward to
-   :meth:`OffloadEngine._pack`. :func:`~offload_examples.core.policy.keep_reason` keeps weights, small
-   tensors and tensors of layers that are not offloaded on the device. Any other tensor is looked
+1. **Saved.** Inside ``with ctx:`` of an offloaded layer, autograd hands every tensor it saves for
+   backward to :meth:`OffloadEngine._pack` (other layers run without hooks, as if there were no
+   context). :func:`~offload_examples.core.policy.keep_reason` keeps weights and small tensors
+   on the device. Any other tensor is looked
    up by its *storage*: the first tensor of a storage creates a :class:`_StorageRecord`, later
    tensors of the same storage (views, the same tensor saved again) reuse it, so each storage is
    copied once and views come back sharing memory. Autograd keeps a small :class:`_SavedView`.
@@ -45,6 +46,7 @@ together, or :class:`GraphCaptureError` is raised during the capture, never at r
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import warnings
@@ -287,6 +289,13 @@ class OffloadEngine(EngineReadouts):
         self._in_layer = False
         self._passthrough = False  # entered under no_grad: saves nothing, counts for nothing
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        #: Hooks cost Python work per saved tensor, on the host's critical path when a step is launch
+        #: bound (Transformer Engine layers: a step's host time was about its GPU time). So layers the
+        #: schedule does not offload run without them once one iteration has counted what they save
+        #: (their :attr:`stats` are carried over: the theory needs them), unless this is ``True``.
+        #: An engine that offloads nothing is a probe: it counts every layer in every iteration.
+        self.count_every_iteration = not any(schedule.is_offloaded(j) for j in range(self.model_layers))
+        self._counted: list[LayerStats] | None = None  # what the layers not offloaded saved, once counted
         self._new_iteration()
 
     # ------------------------------------------------------------------ controls (read-outs: EngineReadouts)
@@ -334,11 +343,14 @@ class OffloadEngine(EngineReadouts):
                 self.pool.end_iteration(keep_free=capturing or self.pool.frozen)
             self.iteration += 1
             n = self.model_layers
+            if getattr(self, "_entered", 0) == n and not self.count_every_iteration:  # every layer was counted
+                self._counted = self._counted or self.stats
             self._records: list[list[_StorageRecord]] = [[] for _ in range(n)]
             self._by_storage: list[dict[int, _StorageRecord]] = [{} for _ in range(n)]
             self._seen: list[set[int]] = [set() for _ in range(n)]
             self.layer_state = [LayerState.NOT_RUN] * n
-            self.stats = [LayerStats() for _ in range(n)]
+            self.stats = [LayerStats() if self._counted is None or self.schedule.is_offloaded(j)
+                          else dataclasses.replace(self._counted[j]) for j in range(n)]
             self.events, self.resident_trace, self.memory_trace = [], [], []  # the read-outs (EngineReadouts)
             self.resident_bytes = 0
             self.live_views = 0
@@ -407,8 +419,9 @@ class OffloadEngine(EngineReadouts):
         self._layer = j
         self._in_layer = True
         _active.engine = self
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
+        if self._counted is None or self.count_every_iteration or self.schedule.is_offloaded(j):
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._hooks.__enter__()
         return self
 
     def __exit__(
@@ -417,8 +430,9 @@ class OffloadEngine(EngineReadouts):
         if self._passthrough:
             self._passthrough = False
             return
-        self._hooks.__exit__(exc_type, exc, tb)
-        self._hooks = None
+        if self._hooks is not None:
+            self._hooks.__exit__(exc_type, exc, tb)
+            self._hooks = None
         self._in_layer = False
         _active.engine = None
         if exc_type is not None:
