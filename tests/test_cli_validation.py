@@ -32,11 +32,11 @@ COMMANDS = {**{name: importlib.import_module(module).main for name, module in SC
 PREFIX = {**{name: f"offload_examples {name}: error: " for name in SCENARIOS}, "bench": "offload_examples bench: error: "}
 PROFILE = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
-FLAGS = {"--small", "--tiny", "--no-plots", "--no-retain-pinned"}
-POSITIVE = {"layers", "offload", "hidden", "heads", "ffn", "seq", "batch", "steps", "replays", "checks", "width", "ks"}
-MAY_BE_ZERO = {"warmup", "seed"}
+FLAGS = {"--small", "--tiny", "--no-plots", "--no-retain-pinned", "--reshard-after-forward", "--cpu-params"}
+POSITIVE = {"layers", "offload", "hidden", "heads", "ffn", "seq", "batch", "steps", "replays", "checks", "width", "ks", "world"}
+MAY_BE_ZERO = {"warmup", "seed", "checkpoint"}
 CHOICES = {"dtype": DTYPES, "kind": KINDS, "backend": ("auto", "nccl", "gloo"), "models": tuple(bench.MODELS),
-           "strategies": bench.STRATEGIES}
+           "strategies": bench.STRATEGIES, "wrap": ("fsdp", "ddp")}
 CUDA = torch.cuda.is_available()
 GPUS = torch.cuda.device_count() if CUDA else 0
 
@@ -157,6 +157,11 @@ def _bad_combination(command: str) -> list[st.SearchStrategy[list[str]]]:
     if command == "bench":
         combos.append(st.integers(1, 8).flatmap(lambda layers: st.integers(layers, layers + 8).map(
             lambda k: [f"--layers={layers}", "--ks", str(k)])))
+    if command == "fsdp":
+        combos.append(st.sampled_from([["--wrap=ddp", "--no-reshard-after-forward"], ["--wrap=ddp", "--cpu-params"],
+                                       ["--device=cpu", "--cpu-params"]]))
+        combos.append(st.integers(2, 8).flatmap(lambda layers: st.integers(layers + 1, layers + 8).map(
+            lambda c: [f"--layers={layers}", "--offload=1", f"--checkpoint={c}"])))
     if command == "pipeline-dist":
         combos.append(st.just(["--backend=gloo", "--device=cuda"]))
         combos.append(st.just(["--backend=nccl", "--device=cpu"]))

@@ -7,4 +7,5 @@ SCENARIOS = {
     "cuda-graphs": "offload_examples.scenarios.cuda_graphs",
     "weight-streaming": "offload_examples.scenarios.weight_streaming",
     "optimizer-offload": "offload_examples.scenarios.optimizer_offload",
+    "fsdp": "offload_examples.scenarios.fsdp",
 }

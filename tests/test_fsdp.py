@@ -1,0 +1,216 @@
+"""The fsdp scenario: activation offloading inside FSDP2 (``fully_shard``) and DDP, on several ranks.
+
+On the CPU two gloo ranks train the small model without and with offloading; gradients and the
+parameters after AdamW must be bitwise equal, and the engine must have offloaded exactly what
+its schedule says. The ``gpu`` tests run one rank on CUDA (a real FSDP2 run with NCCL) and
+compare the measured peak-memory saving with the engine's theory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from offload_examples.instruments.report import CPU_TIMING_NOTE, write_json
+from offload_examples.scenarios.fsdp import (
+    CHECK_STEPS,
+    FsdpConfig,
+    Launch,
+    _options,
+    format_report,
+    main,
+    run,
+    stream_activity,
+)
+
+CUDA = torch.cuda.is_available()
+PREFIX = "offload_examples fsdp: error: "
+
+
+def small(**changes) -> FsdpConfig:
+    return FsdpConfig.small(steps=1, warmup=1, **changes)
+
+
+def check_ranks(report: dict, config: FsdpConfig) -> None:
+    """What every run must show on every rank, whatever the wrapping."""
+    k = config.offload
+    assert report["world"] == config.world == len(report["ranks"])
+    for r in report["ranks"]:
+        assert r["grads_equal"] and r["params_equal"] and r["max_abs_diff"] == 0, r
+        assert r["grads_compared"] > 0 and r["params_compared"] == r["grads_compared"], r
+        per_layer = r["offloaded_bytes_per_layer"]
+        assert all(b > 0 for b in per_layer[:k]) and not any(per_layer[k:]), per_layer
+        # the engine offloaded exactly what its schedule says: every candidate storage of the first k layers
+        assert r["offloaded_bytes"] == r["expected_offloaded_bytes"] == sum(per_layer) > 0
+        assert r["resident_matches_theory"], r["rank"]
+        # one engine iteration per step (checked, warm-up, measured): model_layers matched the entries
+        assert r["iterations"] == CHECK_STEPS + config.warmup + config.steps
+        assert r["peak_with_bytes"] is None and r["saving_ratio"] is None  # no CUDA: no made-up numbers
+    assert report["grads_equal"] and report["resident_matches_theory"]
+
+
+def check_checkpointed(report: dict, config: FsdpConfig) -> None:
+    """4 layers, the first 2 offloaded, the last 3 checkpointed: layer 1 is both."""
+    assert (config.layers, config.offload, config.checkpoint) == (4, 2, 3)
+    layer_input = config.batch * config.seq * config.hidden * 4  # float32
+    for r in report["ranks"]:
+        saved = r["saved_bytes_per_layer"]
+        # a checkpointed layer saves only its input for backward; that is what layer 1 sends to the host
+        assert saved[1:] == [layer_input] * 3, saved
+        assert r["offloaded_bytes_per_layer"][1] == layer_input
+        assert saved[0] > 10 * layer_input  # layer 0 is not checkpointed: all its activations
+    assert "last 3 checkpointed" in format_report(report)
+
+
+@pytest.mark.slow
+def test_fsdp_offloading_changes_no_gradient_and_no_update():
+    config = small()
+    assert config.reshard_after_forward and config.checkpoint is None
+    report = run(config, Launch("cpu"), progress=None)
+    check_ranks(report, config)
+    for r in report["ranks"]:  # nothing recomputed: every offloaded byte comes off the peak
+        assert r["theoretical_saving_bytes"] == r["offloaded_bytes"]
+    text = format_report(report)
+    assert "FSDP2 fully_shard per layer on 2 rank(s)" in text and text.endswith(CPU_TIMING_NOTE)
+    assert "no reshard after forward" not in text
+
+
+@pytest.mark.slow
+def test_fsdp_without_reshard_after_forward_and_with_checkpointed_layers():
+    config = small(reshard_after_forward=False, checkpoint=3)
+    report = run(config, Launch("cpu"), progress=None)
+    check_ranks(report, config)
+    check_checkpointed(report, config)
+    assert report["config"]["reshard_after_forward"] is False
+    assert "no reshard after forward" in format_report(report)
+
+
+@pytest.mark.slow
+def test_ddp_with_checkpointed_layers_from_the_command_line(tmp_path, capsys):
+    out = tmp_path / "ddp.json"
+    report = main(["--device", "cpu", "--wrap", "ddp", "--checkpoint", "3", "--steps", "1", "--json", str(out)])
+    config = small(wrap="ddp", checkpoint=3)
+    check_ranks(report, config)
+    check_checkpointed(report, config)
+    printed = capsys.readouterr().out
+    assert "DDP on 2 rank(s)" in printed and "grads bitwise equal" in printed and CPU_TIMING_NOTE in printed
+    assert json.loads(out.read_text())["grads_equal"] is True
+
+
+@pytest.mark.slow
+def test_ddp_under_torchrun_rank_0_reports(tmp_path):
+    out = tmp_path / "torchrun.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "offload_examples", "fsdp", "--device", "cpu", "--wrap", "ddp", "--steps", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.stdout.count("grads bitwise equal") == 1  # one report, from rank 0
+    report = json.loads(out.read_text())
+    check_ranks(report, small(wrap="ddp"))
+    for r in report["ranks"]:
+        assert r["theoretical_saving_bytes"] == r["offloaded_bytes"]
+
+
+def test_checkpoint_0_on_the_command_line_means_none():
+    parser = argparse.ArgumentParser()
+    _options(parser)
+    assert parser.parse_args(["--checkpoint", "0"]).checkpoint is None
+    assert parser.parse_args(["--checkpoint", "2"]).checkpoint == 2
+    assert parser.parse_args(["--no-reshard-after-forward"]).reshard_after_forward is False
+    assert parser.parse_args([]).reshard_after_forward is None  # not given: the config's default (on)
+
+
+BAD = [
+    (["--world", "0"], "argument --world: must be a positive integer, got 0"),
+    (["--wrap", "fsdp2"], "argument --wrap: invalid choice: 'fsdp2'"),
+    (["--checkpoint", "-1"], "argument --checkpoint: must be an integer >= 0, got -1"),
+    (["--layers", "4", "--offload", "1", "--checkpoint", "5"], "checkpoint (5) must be at most layers (4)"),
+    (["--wrap", "ddp", "--no-reshard-after-forward"], "--no-reshard-after-forward is an FSDP option"),
+    (["--wrap", "ddp", "--cpu-params"], "--cpu-params is FSDP's CPUOffloadPolicy: it needs --wrap fsdp"),
+    (["--device", "cpu", "--cpu-params"], "--cpu-params needs CUDA"),
+    (["--device", "cpu", "--world", "100000"], "--world 100000 on the CPU: at most"),
+    (["--reshard-after-forward=yes"], "ignored explicit argument"),
+    (["--small", "--hidden", "60", "--heads", "8"], "hidden (60) must be divisible by heads (8)"),
+]
+if not CUDA:
+    BAD.append((["--device", "cuda"], "CUDA is not available"))
+else:
+    BAD.append((["--device", "cuda:0"], "give --device cuda"))
+    BAD.append((["--device", "cuda", "--world", str(torch.cuda.device_count() + 1)], "needs one GPU per rank"))
+
+
+@pytest.mark.parametrize("argv,says", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_values_are_one_line_errors(argv, says, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--json", "r.json"])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and out == "", (out, err)
+    assert len(err.splitlines()) == 1 and err.startswith(PREFIX) and says in err, err
+    assert not any(tmp_path.iterdir())  # nothing ran, nothing written
+
+
+def test_config_refuses_what_cannot_run():
+    with pytest.raises(ValueError, match="wrap must be"):
+        FsdpConfig(wrap="zero")
+    with pytest.raises(ValueError, match="checkpoint must be at least 1"):
+        FsdpConfig(checkpoint=0)  # None means none; the command line maps --checkpoint 0 to None
+    assert FsdpConfig.small().world == 2 and FsdpConfig().world is None  # None: one rank per GPU
+
+
+def test_stream_activity_from_a_chrome_trace():
+    ev = lambda cat, name, ts, dur, stream: {"cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+    trace = {"traceEvents": [
+        ev("kernel", "ampere_bf16_gemm", 0, 4000, 7),
+        ev("kernel", "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 0, 1000, 20),
+        ev("kernel", "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", 5000, 1000, 24),
+        ev("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 1000, 2000, 13),
+        ev("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 3000, 2000, 15),
+        ev("gpu_memset", "Memset (Device)", 0, 10, 7),
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 10},
+    ]}
+    streams, overlap = stream_activity(trace)
+    assert streams == [
+        {"stream": 7, "busy_ms": {"compute": 4.0}}, {"stream": 13, "busy_ms": {"device-to-host": 2.0}},
+        {"stream": 15, "busy_ms": {"host-to-device": 2.0}}, {"stream": 20, "busy_ms": {"all-gather": 1.0}},
+        {"stream": 24, "busy_ms": {"reduce-scatter": 1.0}},
+    ]
+    assert overlap == {"device-to-host": (2.0, 2.0), "host-to-device": (2.0, 1.0)}  # compute ran 0..4 ms
+
+
+# ---------------------------------------------------------------------------- GPU: a real FSDP2 run
+def _keep(name: str, report: dict) -> str | None:
+    folder = os.environ.get("OFFLOAD_EXAMPLES_RESULTS")
+    if folder:
+        write_json(os.path.join(folder, f"{name}.json"), report)
+    return folder
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cpu_params", [False, True], ids=["gpu-params", "cpu-params"])
+def test_one_gpu_fsdp2_saving_vs_theory_and_bitwise_grads(cpu_params, tmp_path):
+    config = FsdpConfig(world=1, cpu_params=cpu_params)
+    trace_dir = os.environ.get("OFFLOAD_EXAMPLES_RESULTS") or tmp_path
+    report = run(config, Launch("cuda"), progress=print, trace_dir=trace_dir)
+    print(format_report(report))
+    _keep(f"gpu_fsdp{'_cpu_params' if cpu_params else ''}", report)
+    r = report["ranks"][0]
+    assert r["grads_equal"] and r["params_equal"], r["max_abs_diff"]
+    assert r["offloaded_bytes"] == r["expected_offloaded_bytes"] > 0
+    assert r["theoretical_saving_bytes"] > 2**30  # a GiB-sized saving at the default size
+    assert r["saving_ratio"] >= 0.90, f"measured {r['saving_bytes']} vs theory {r['theoretical_saving_bytes']}"
+    if cpu_params:
+        assert r["host_param_bytes"] > 0
+    # the engine's copies run on streams of their own, not on the stream that runs the layers
+    busiest = {kind: max(r["streams"], key=lambda s: s["busy_ms"].get(kind, 0))["stream"]
+               for kind in ("compute", "device-to-host", "host-to-device")}
+    assert busiest["device-to-host"] != busiest["compute"] != busiest["host-to-device"], r["streams"]
+    assert os.path.isfile(os.path.join(trace_dir, "fsdp_trace_rank0.json"))
