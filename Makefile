@@ -61,7 +61,7 @@ test-gpu: $(STAMP)  ## GPU tests only, failing if CUDA is missing
 bench: $(STAMP)  ## every strategy side by side: results/bench/bench.{json,md} and plots (tiny on a CPU)
 	$(PY) -m offload_examples bench --out results/bench
 
-docs: $(STAMP)  ## build the site with warnings as errors (renders the notebooks' stored outputs); entry page $(DOCS_OUT)/docs/index.html
+docs: $(STAMP)  ## build the site from the notebooks' stored outputs, warnings and broken references as errors; entry page $(DOCS_OUT)/index.html
 	$(PY) -m sphinx -W --keep-going -b html . $(DOCS_OUT)
 
 notebooks: $(STAMP)  ## re-execute every notebook in place at full size (on a GPU node)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "docs" / "_ext"))  # offload_docs: offline math, references, entry page
 
 # nbsphinx converts notebook Markdown with pandoc; the pypandoc_binary package (docs extra) ships one.
 try:
@@ -39,20 +40,39 @@ extensions = [
     "sphinx.ext.napoleon",
     "sphinx.ext.viewcode",
     "matplotlib.sphinxext.plot_directive",
+    "offload_docs",
 ]
 myst_enable_extensions = ["colon_fence", "deflist"]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 
+# Every reference must resolve (-W makes a broken one an error). Nothing is downloaded at build
+# time, so there is no intersphinx: names from outside the package (torch, matplotlib, the
+# standard library) stay plain text. Names of this package never need an entry here.
+nitpicky = True
+nitpick_ignore_regex = [
+    (r"py:.*", r"(torch|nn|matplotlib|numpy)(\..*)?"),
+    (r"py:.*", rf"({'|'.join(sorted(sys.stdlib_module_names))})\..*"),
+    (r"py:.*", r"Axes|Figure"),  # matplotlib's, as plots.py's annotations name them (imported under TYPE_CHECKING)
+    (r"py:obj", r"True|False"),  # "bool, default False" in a parameter's type
+]
+
+# Math is MathML made at build time (offload_docs), so the site needs no MathJax and no network.
+html_math_renderer = "mathml"
+
 # Notebooks are committed with the outputs of a real GPU run: render those, never re-execute.
 nbsphinx_execute = "never"
 nbsphinx_prompt_width = "0"
+# require.js only serves Jupyter widgets, which the notebooks have none of; it would load from a CDN.
+nbsphinx_requirejs_path = ""
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
-autodoc_default_options = {"members": True, "show-inheritance": False}
+autodoc_default_options = {"members": True}
 napoleon_google_docstring = False
 napoleon_numpy_docstring = True
-napoleon_use_ivar = True
+napoleon_use_ivar = False  # "Attributes" sections become attribute entries that references can find
+napoleon_preprocess_types = True  # "int, default 1" is a type and a default, not two type names
+napoleon_attr_annotations = False  # an attribute's annotation is not split into type names (list[tuple[...]])
 
 plot_include_source = False
 plot_html_show_source_link = False
@@ -61,4 +81,5 @@ plot_formats = [("png", 110)]
 
 html_theme = "furo"
 html_title = "offload_examples"
-html_static_path = []
+html_static_path = ["docs/_static"]
+html_css_files = ["offload_docs.css"]

@@ -1,4 +1,4 @@
-"""The documentation builds with warnings as errors, and a real browser can read it."""
+"""The documentation builds with warnings as errors, and a real browser can read it offline."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from urllib.parse import urljoin, urldefrag, urlparse
 from urllib.request import urlopen
@@ -25,20 +26,88 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Path:
+def build(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """One build for every test here: warnings as errors, every reference checked (``-n``, nitpicky).
+
+    ``--keep-going`` writes the whole site even when a warning fails the build, so the browser
+    tests still look at it; :func:`test_docs_build_without_warnings` fails on the warnings.
+    """
     out = tmp_path_factory.mktemp("html")
     proc = subprocess.run(
-        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(ROOT), str(out)],
+        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-n", "-q", "-b", "html", str(ROOT), str(out)],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return out, proc
+
+
+@pytest.fixture(scope="module")
+def site(build) -> Path:
+    out, proc = build
+    assert (out / "docs" / "index.html").is_file(), proc.stdout[-3000:] + proc.stderr[-5000:]
     return out
 
 
-def test_docs_build_without_warnings(site):
-    pages = ["docs/index", *(f"docs/{p.stem}" for p in (ROOT / "docs").glob("*.md")), *(f"notebooks/{p.stem}" for p in (ROOT / "notebooks").glob("*.ipynb"))]
-    for page in pages:
+def _source_pages() -> list[str]:
+    """Every page the site is built from, as its path without suffix (``docs/api/engine``)."""
+    skipped = ("snippets", "bench", "runs")  # included files and data, not pages (conf.py's exclude_patterns)
+    docs = [p for p in (ROOT / "docs").rglob("*.md")
+            if not any(part.startswith("_") or part in skipped for part in p.relative_to(ROOT / "docs").parts)]
+    return sorted([p.relative_to(ROOT).with_suffix("").as_posix() for p in docs]
+                  + [f"notebooks/{p.stem}" for p in (ROOT / "notebooks").glob("*.ipynb")])
+
+
+def test_docs_build_without_warnings(build):
+    """No warning at all, broken cross-references included (nitpicky), and every page written."""
+    site, proc = build
+    warnings = [line for line in proc.stderr.splitlines() if "WARNING" in line or "ERROR" in line]
+    assert proc.returncode == 0 and not warnings, "\n".join(warnings[:50]) or proc.stderr[-5000:]
+    for page in _source_pages():
         assert (site / f"{page}.html").is_file(), page
+
+
+def test_docs_entry_page_at_the_root(site):
+    """``<out>/index.html`` exists and leads to the root document, which lives in docs/."""
+    entry = (site / "index.html").read_text()
+    assert 'http-equiv="refresh"' in entry and 'href="docs/index.html"' in entry
+
+
+def test_api_reference_is_complete(site):
+    """Every module of the package is in the reference, and so is every name a module's ``__all__``
+    lists with a docstring (or a ``#:`` comment), under the name users import it by."""
+    import inspect
+    import pkgutil
+    import zlib
+
+    from sphinx.pycode import ModuleAnalyzer
+
+    import offload_examples as root
+
+    body = zlib.decompress((site / "objects.inv").read_bytes().split(b"\n", 4)[4]).decode()
+    documented = {line.split(" ", 1)[0] for line in body.splitlines() if line.split(" ", 2)[1].startswith("py:")}
+    by_root = {id(getattr(root, name)): f"{root.__name__}.{name}" for name in root.__all__}
+    missing = []
+    for info in pkgutil.walk_packages(root.__path__, f"{root.__name__}."):
+        if info.name.endswith(".__main__"):
+            continue
+        module = importlib.import_module(info.name)
+        if info.name not in documented:
+            missing.append(info.name)
+        comments = ModuleAnalyzer.for_module(info.name).find_attr_docs()
+        for name in getattr(module, "__all__", ()):
+            obj = getattr(module, name)
+            if id(obj) in by_root and (inspect.isclass(obj) or inspect.isfunction(obj)):
+                expected = by_root[id(obj)]
+            elif (inspect.isclass(obj) or inspect.isfunction(obj)) and obj.__module__ != info.name:
+                continue  # imported: documented where it is defined
+            elif obj.__doc__ if inspect.isclass(obj) or inspect.isfunction(obj) else False:
+                expected = f"{info.name}.{name}"
+            elif ("", name) in comments:
+                expected = f"{info.name}.{name}"
+            else:
+                continue  # nothing written about it: autodoc leaves it out, and so may the reference
+            if expected not in documented:
+                missing.append(expected)
+    assert not missing, f"not in the API reference (docs/api/*.md): {missing}"
 
 
 @pytest.mark.parametrize("snippet", sorted((ROOT / "docs" / "snippets").glob("*.py")), ids=lambda p: p.name)
@@ -49,7 +118,7 @@ def test_docs_snippet_runs(snippet, capsys):
 
 def test_docs_code_blocks_come_from_tested_files():
     """Code on the site is either included from a file the tests run, or not Python at all."""
-    for page in sorted((ROOT / "docs").glob("*.md")):
+    for page in (ROOT / f"{p}.md" for p in _source_pages() if p.startswith("docs/")):
         for lang in re.findall(r"^```[ \t]*(\S*)", page.read_text(), re.M):
             assert not lang or lang.startswith("{"), f"{page.name}: inline ```{lang} block; use literalinclude"
 
@@ -64,11 +133,14 @@ def test_readme_example_runs():
     assert "Failed to initialize NumPy" not in proc.stderr
 
 
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
 @pytest.fixture(scope="module")
 def server(site):
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(site))
-    handler.log_message = lambda *a: None
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(site)))
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{httpd.server_address[1]}/"
     httpd.shutdown()
@@ -76,6 +148,8 @@ def server(site):
 
 #: How to install the browser (what `make test` prints where it cannot install it itself).
 BROWSER_HINT = "sudo apt-get install chromium chromium-driver"
+#: The page width the layout is checked at: a common laptop screen.
+WIDTH = 1280
 
 
 @pytest.fixture(scope="module")
@@ -98,31 +172,78 @@ def browser():
     opts.binary_location = chromium
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage", "--window-size=1280,900"):
+                 "--disable-dev-shm-usage", f"--window-size={WIDTH},900"):
         opts.add_argument(flag)
     b = webdriver.Chrome(options=opts, service=Service(driver))
     yield b
     b.quit()
 
 
+# What one page looks like in the browser, measured in one script: the page must not need the
+# network, must not show LaTeX source, must lay its formulas out as math, and must keep its wide
+# tables, code blocks, formulas and images inside the content column (scrolling, if wider).
+PAGE_FACTS = r"""
+const art = document.querySelector('article');
+const prose = art ? art.cloneNode(true) : document.createElement('div');
+prose.querySelectorAll('pre, code, script, style, math').forEach(e => e.remove());
+const here = location.origin;
+const outside = [...document.querySelectorAll('script[src], link[rel~="stylesheet"][href], img[src], iframe[src]')]
+  .map(e => e.src || e.href).filter(u => new URL(u, location.href).origin !== here);
+const maths = art ? [...art.querySelectorAll('math')] : [];
+const unlaid = maths.filter(m => { const r = m.getBoundingClientRect(); return !(r.width > 0 && r.height > 0); })
+  .map(m => m.textContent);
+const flat = [...(art ? art.querySelectorAll('mfrac') : [])].filter(f => f.children.length === 2 &&
+  f.children[0].getBoundingClientRect().bottom > f.children[1].getBoundingClientRect().top + 1)
+  .map(f => f.textContent);
+const column = art && art.getBoundingClientRect();
+const overflowing = [];
+for (const el of art ? art.querySelectorAll('table, pre, div.math, img, .highlight') : []) {
+  if (el.getBoundingClientRect().width === 0) continue;   // empty prompts of notebook cells
+  let box = el;                                           // what shows: el or the container scrolling it
+  for (let a = el; a && a !== art; a = a.parentElement) {
+    if (['auto', 'scroll', 'hidden'].includes(getComputedStyle(a).overflowX)) { box = a; break; }
+  }
+  const r = box.getBoundingClientRect();
+  if (r.left < column.left - 1 || r.right > column.right + 1)
+    overflowing.push(`${el.tagName.toLowerCase()}.${el.className} spans ${Math.round(r.left)}..${Math.round(r.right)}`
+                     + ` in a column ${Math.round(column.left)}..${Math.round(column.right)}`);
+}
+return {
+  heading: (document.querySelector('article h1') || {}).textContent || null,
+  broken: [...document.images].filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src),
+  images: art ? art.querySelectorAll('img').length : 0,
+  maths: maths.length, unlaid, flat, outside, overflowing,
+  latex: (prose.textContent.match(/\\(frac|cdot|le|ge|leq|geq|sum|mathrm|text|begin|end|\[|\(|\]|\))|\$\$/g) || []),
+  pageWidth: document.documentElement.scrollWidth, viewport: window.innerWidth,
+  links: [...document.querySelectorAll('a[href]')].map(a => a.href),
+};
+"""
+
+
 def test_every_page_renders_with_images_and_links(browser, site, server):  # browser first: skips before the build
     pages = sorted(p.relative_to(site).as_posix() for p in site.rglob("*.html")
-                   if not p.relative_to(site).parts[0].startswith(("_", ".")) and p.name not in ("search.html", "genindex.html"))
+                   if not p.relative_to(site).parts[0].startswith(("_", ".")) and p.name not in ("search.html", "genindex.html")
+                   and p.relative_to(site).as_posix() != "index.html")  # the entry page forwards (test below)
     assert len(pages) >= 8
-    images_seen, checked = 0, set()
+    images_seen, maths_seen, checked = 0, 0, set()
     for page in pages:
         url = urljoin(server, page)
         browser.get(url)
         assert browser.execute_script("return document.readyState") == "complete"
-        heading = browser.execute_script("const h = document.querySelector('article h1'); return h && h.textContent")
-        assert heading, f"{page}: no heading rendered"
-        broken = browser.execute_script(
-            "return [...document.images].filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src)")
-        assert not broken, f"{page}: images that did not load: {broken}"
-        shown = browser.execute_script("return document.querySelectorAll('article img').length")
-        assert shown >= _stored_images(page), f"{page}: shows {shown} images, its notebook stores more"
-        images_seen += shown
-        for href in browser.execute_script("return [...document.querySelectorAll('a[href]')].map(a => a.href)"):
+        facts = browser.execute_script(PAGE_FACTS)
+        assert facts["heading"], f"{page}: no heading rendered"
+        assert not facts["broken"], f"{page}: images that did not load: {facts['broken']}"
+        assert facts["images"] >= _stored_images(page), f"{page}: shows {facts['images']} images, its notebook stores more"
+        images_seen += facts["images"]
+        assert not facts["outside"], f"{page}: needs the network (the site must work offline): {facts['outside']}"
+        assert not facts["latex"], f"{page}: LaTeX source shown as text instead of math: {facts['latex']}"
+        assert facts["maths"] >= _written_math(page), f"{page}: {facts['maths']} formulas rendered, its source has more"
+        assert not facts["unlaid"], f"{page}: formulas the browser did not lay out: {facts['unlaid']}"
+        assert not facts["flat"], f"{page}: fractions not drawn as fractions: {facts['flat']}"
+        maths_seen += facts["maths"]
+        assert facts["pageWidth"] <= facts["viewport"], f"{page}: the page scrolls sideways at {WIDTH} px"
+        assert not facts["overflowing"], f"{page}: wider than the content column at {WIDTH} px: {facts['overflowing']}"
+        for href in facts["links"]:
             target, fragment = urldefrag(href)
             if urlparse(target).netloc != urlparse(server).netloc or (target, fragment) in checked:
                 continue
@@ -133,6 +254,17 @@ def test_every_page_renders_with_images_and_links(browser, site, server):  # bro
             if fragment:
                 assert f'id="{fragment}"' in body, f"{page}: link to a missing anchor {href}"
     assert images_seen >= 1 + sum(_stored_images(f"notebooks/{nb.stem}.html") for nb in (ROOT / "notebooks").glob("*.ipynb"))
+    assert maths_seen >= 1, "the hardware page's inequality, at least, is rendered as math"
+
+
+def test_entry_page_opens_the_docs(browser, site, server):
+    """The root of the output forwards to the documentation's first page."""
+    browser.get(server)
+    deadline = time.monotonic() + 10
+    while not browser.current_url.endswith("docs/index.html") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert browser.current_url == urljoin(server, "docs/index.html")
+    assert browser.execute_script("const h = document.querySelector('article h1'); return h && h.textContent")
 
 
 def _stored_images(page: str) -> int:
@@ -142,6 +274,20 @@ def _stored_images(page: str) -> int:
         return 0
     cells = json.loads(nb.read_text())["cells"]
     return sum("image/png" in out.get("data", {}) for c in cells for out in c.get("outputs", []))
+
+
+def _written_math(page: str) -> int:
+    """How many formulas the source of ``page`` writes: ``{math}`` blocks and roles in Markdown
+    pages, ``$...$`` and ``$$...$$`` in notebooks' Markdown cells (0 for generated pages)."""
+    source = ROOT / Path(page).with_suffix(".md")
+    if source.is_file():
+        return len(re.findall(r"\{math\}", source.read_text()))
+    nb = source.with_suffix(".ipynb")
+    if not nb.is_file():
+        return 0
+    text = "\n".join("".join(c["source"]) for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "markdown")
+    text = re.sub(r"```.*?```|`[^`]*`", "", text, flags=re.S)  # dollars in code are not math
+    return len(re.findall(r"\$\$.+?\$\$|\$[^$\s][^$]*?\$", text, flags=re.S))
 
 
 def _free_names(code: str) -> set[str]:

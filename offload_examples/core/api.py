@@ -85,7 +85,7 @@ def get_cpu_offload_context(
     offload_stream : torch.cuda.Stream or None, default None
         CUDA stream for device-to-host copies; a new one when ``None``. Allowed in every mode
         (Transformer Engine accepts it only with ``manual_synchronization=True``).
-    synchronization_dict : Mapping[int, tuple[bool, int, bool, int]] or None, default None
+    synchronization_dict : dict or None, default None
         Keyword-only. ``{layer: (offload_fwd, offload_num, reload_fwd, reload_num)}``: a
         declarative schedule for any order of forwards and backwards (see
         :class:`~offload_examples.SyncDictSchedule`), run through the same synchronizer as manual

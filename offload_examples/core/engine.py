@@ -565,6 +565,8 @@ class OffloadEngine(EngineReadouts):
 
     # ------------------------------------------------------------------ autograd hooks
     def _pack(self, t: torch.Tensor) -> _Kept | _SavedView:
+        """Autograd's pack hook (step 1): a :class:`_Kept` for a tensor the policy keeps (or while
+        a layer that is not offloaded is counted), else a :class:`_SavedView` of its storage's record."""
         layer = self._layer
         stats = self.stats[layer]
         stats.saved_tensors += 1
@@ -606,6 +608,8 @@ class OffloadEngine(EngineReadouts):
         return rec
 
     def _unpack(self, view: _SavedView | _Kept) -> torch.Tensor:
+        """Autograd's unpack hook (step 5): the kept tensor, or the view rebuilt on its record's
+        device memory once the current stream has waited for that record's reload."""
         if isinstance(view, _Kept):
             return view.unpack()
         rec = view.record

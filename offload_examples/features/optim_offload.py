@@ -175,8 +175,6 @@ class OptimizerOffload(torch.optim.Optimizer):
         The plain optimizer over the parameters kept on the device; ``None`` when there are none.
     host_params:
         The device parameters whose state lives on the host, in order.
-    host_optimizers:
-        One optimizer per offloaded parameter, over its host master copy.
     fraction:
         The fraction asked for.
     offloaded_fraction:
@@ -259,7 +257,7 @@ class OptimizerOffload(torch.optim.Optimizer):
 
     @property
     def host_optimizers(self) -> list[torch.optim.Optimizer]:
-        """The per-parameter host optimizers, in the order of :attr:`host_params`."""
+        """One optimizer per offloaded parameter, over its host master copy, in the order of :attr:`host_params`."""
         return [slot.optimizer for slot in self._slots]
 
     #: ``torch.amp.GradScaler.step`` hands this optimizer the scale and the inf check instead of

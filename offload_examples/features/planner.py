@@ -45,6 +45,8 @@ _DECIMALS = 9
 
 
 class Choice(str, Enum):
+    """What a plan does with one layer's saved activations: keep them, offload them or recompute them."""
+
     KEEP = "keep"
     OFFLOAD = "offload"
     RECOMPUTE = "recompute"
@@ -53,6 +55,7 @@ class Choice(str, Enum):
         return self.value
 
 
+#: The three choices under shorter names.
 KEEP, OFFLOAD, RECOMPUTE = Choice.KEEP, Choice.OFFLOAD, Choice.RECOMPUTE
 
 

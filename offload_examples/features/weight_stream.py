@@ -71,6 +71,11 @@ class _Layout:
 class StreamedLayers(nn.Module):
     """Run ``layers`` in order with their weights streamed from pinned host memory.
 
+    Gradients accumulate as autograd's do: without ``zero_grad`` between backwards, each
+    parameter's ``.grad`` (a view of pinned host memory) holds the sum. Clearing them with
+    ``zero_grad(set_to_none=True)`` saves loading the old ones. Random layers (dropout) recompute
+    with the random state of their first run.
+
     Parameters
     ----------
     layers:
@@ -79,11 +84,6 @@ class StreamedLayers(nn.Module):
         ``device`` and stay there.
     device:
         Where the layers compute.
-
-    Gradients accumulate as autograd's do: without ``zero_grad`` between backwards, each
-    parameter's ``.grad`` (a view of pinned host memory) holds the sum. Clearing them with
-    ``zero_grad(set_to_none=True)`` saves loading the old ones. Random layers (dropout) recompute
-    with the random state of their first run.
     """
 
     def __init__(self, layers: Sequence[nn.Module], device: torch.device | str):
@@ -112,8 +112,9 @@ class StreamedLayers(nn.Module):
         #: GPU copies by layer: ``(flat weights, load event)``; gradients waiting to be dropped.
         self._loaded: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
         self._writing: dict[int, tuple[list[torch.Tensor], torch.cuda.Event | None]] = {}
-        #: Bytes of weights and gradients on the device now, and the most seen at once.
+        #: Bytes of weights and gradients on the device now.
         self.device_bytes = 0
+        #: The most bytes of weights and gradients on the device at once (since :meth:`reset_peak`).
         self.peak_device_bytes = 0
         #: ``(action, layer)`` in the order queued: ``load``, ``drop`` (weights), ``write``, ``free``
         #: (gradients), ``load grads`` (earlier gradients to add to). Cleared at every forward.
@@ -134,6 +135,7 @@ class StreamedLayers(nn.Module):
         return 2 * sum(top) + (top[0] if accumulating else 0)
 
     def reset_peak(self) -> None:
+        """Start a new :attr:`peak_device_bytes` from the bytes on the device now."""
         self.peak_device_bytes = self.device_bytes
 
     # ------------------------------------------------------------------ steps 1, 2 and 5

@@ -566,6 +566,10 @@ def _write_plots(results: dict[str, Any], out: Path) -> list[Path]:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """``python -m offload_examples bench``: run the grid, print :func:`markdown`, write the outputs.
+
+    Runs the tiny grid on a CPU or with ``--tiny``; returns the results that :func:`run` made.
+    """
     full, tiny = BenchConfig(), BenchConfig.tiny()
     parser = ArgumentParser("offload_examples bench", description=__doc__.split("\n")[0])
     add_device(parser)

@@ -91,7 +91,9 @@ def int_arg(minimum: int, maximum: int | None = None):
     return parse
 
 
+#: An argparse ``type``: an integer of at least 1.
 positive_int = int_arg(1)
+#: An argparse ``type``: an integer of at least 0.
 nonnegative_int = int_arg(0)
 
 
@@ -103,6 +105,7 @@ def field_int_arg(name: str):
 
 
 def default_device() -> torch.device:
+    """``cuda`` when CUDA is available, else ``cpu``: where a command runs without ``--device``."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -189,11 +192,13 @@ def fractions_arg(text: str) -> list[float]:
 
 
 def add_device(parser: argparse.ArgumentParser) -> None:
+    """Add ``--device`` (checked by :func:`device_arg`; :func:`default_device` when not given)."""
     parser.add_argument("--device", type=device_arg, metavar="{cpu,cuda,cuda:N}",
                         help="where to run (default: cuda when available, else cpu)")
 
 
 def add_json(parser: argparse.ArgumentParser) -> None:
+    """Add ``--json PATH``: also write the report as JSON (checked by :func:`json_path_arg`)."""
     parser.add_argument("--json", metavar="PATH", type=json_path_arg,
                         help="also write the report as JSON to PATH, in a folder that exists (default: no JSON)")
 

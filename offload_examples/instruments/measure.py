@@ -58,9 +58,12 @@ class Measurement:
         Peak CUDA memory allocated during the measured steps (``None`` on the CPU).
     baseline_bytes:
         CUDA memory allocated before the steps (weights and inputs).
-    output, grads:
-        The last step's output and gradients (parameters by name, and ``"input"``), copied to
-        host memory so that keeping them does not change the next measurement's peak.
+    output:
+        The last step's output, copied to host memory so that keeping it does not change the
+        next measurement's peak.
+    grads:
+        The last step's gradients (parameters by name, and ``"input"``), copied to host memory
+        like :attr:`output`.
     """
 
     label: str
@@ -112,6 +115,7 @@ class StepReport:
         self.last = time.perf_counter()
 
     def step(self, i: int, ms: float, times: list[float]) -> None:
+        """Report step ``i`` (counting the warm-up), which took ``ms``; ``times`` are the measured steps so far."""
         if self.progress is None:
             return
         if i == self.total - 1:

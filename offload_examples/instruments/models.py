@@ -26,6 +26,13 @@ def has_transformer_engine() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
+def _deterministic_te() -> None:
+    """The scenarios, notebooks and tests compare gradients bit for bit: ask TE for its deterministic
+    kernels (as Megatron-LM's deterministic mode does) before its first attention call. TE reads the
+    variable when it picks an attention backend; set it yourself to choose otherwise."""
+    os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+
+
 def import_transformer_engine() -> bool:
     """Import ``transformer_engine.pytorch`` if it is installed, and say whether it is imported.
 
@@ -37,9 +44,7 @@ def import_transformer_engine() -> bool:
         return True
     if not has_transformer_engine():
         return False
-    # The scenarios and tests compare gradients bit for bit: ask TE for its deterministic kernels
-    # (as Megatron-LM's deterministic mode does). Set the variable yourself to choose otherwise.
-    os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+    _deterministic_te()
     if torch.cuda.is_initialized():
         raise RuntimeError("import transformer_engine.pytorch before CUDA starts: CUDA is already initialised, so a "
                            "system cuDNN may be loaded in place of Transformer Engine's; call "
@@ -67,6 +72,7 @@ def _transformer_layer(
     if layer_kind(kind) == TE_LAYER:
         if not has_transformer_engine():
             raise ImportError("--kind te needs Transformer Engine: pip install 'offload_examples[te]'")
+        _deterministic_te()  # a notebook may build the model without import_transformer_engine()
         import transformer_engine.pytorch as te
 
         return te.TransformerLayer(

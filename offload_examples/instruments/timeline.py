@@ -48,8 +48,10 @@ class Span:
     ----------
     lane:
         One of :data:`LANES`.
-    start, end:
-        Milliseconds from the first recorded activity.
+    start:
+        Milliseconds from the first recorded activity to the start of the work.
+    end:
+        Milliseconds from the first recorded activity to the end of the work.
     name:
         The kernel or copy (profiler), or ``"F3"``/``"B3"`` for a layer's forward/backward and
         ``"wait"`` for the time the compute stream waited for copies before a phase

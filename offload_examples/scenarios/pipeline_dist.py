@@ -41,7 +41,7 @@ from offload_examples.instruments.report import format_bytes, format_table
 from offload_examples.scenarios.cli import Placement, scenario_main
 from offload_examples.scenarios.sizes import MicroBatches, ScenarioConfig, TransformerSize
 
-__all__ = ["DistConfig", "OffloadedStage", "expand_order", "main", "run"]
+__all__ = ["DistConfig", "OffloadedStage", "expand_order", "format_report", "main", "run"]
 
 
 @dataclass
@@ -234,6 +234,8 @@ def run(config: DistConfig | None = None, backend: str = "auto") -> dict[str, An
 
 
 def format_report(report: dict[str, Any]) -> str:
+    """The report as a table: one row per rank, peaks with and without offloading, the saving
+    against the theory, step times, and whether the gradients were equal."""
     rows = []
     for r in report["ranks"]:
         ratio = r.get("saving_ratio")
@@ -281,6 +283,8 @@ def _choose_backend(parser, args: argparse.Namespace, config_cls: type[DistConfi
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """``python -m offload_examples pipeline-dist``: check the options, run, print the report (see
+    :func:`~offload_examples.scenarios.cli.scenario_main`)."""
     # the sizes are fixed (full, or small with --small or gloo); --backend/--device say where it runs
     return scenario_main("pipeline-dist", __doc__, DistConfig, run, format_report, argv, sizes=False,
                          placement=Placement(_backend_options, _choose_backend, progress=False),
