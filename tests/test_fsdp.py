@@ -199,7 +199,7 @@ def _keep(name: str, report: dict) -> str | None:
 def test_one_gpu_fsdp2_saving_vs_theory_and_bitwise_grads(cpu_params, tmp_path):
     config = FsdpConfig(world=1, cpu_params=cpu_params)
     trace_dir = os.environ.get("OFFLOAD_EXAMPLES_RESULTS") or tmp_path
-    report = run(config, Launch("cuda"), progress=print, trace_dir=trace_dir)
+    report = run(config, Launch("cuda"), progress=print, trace_dir=trace_dir, timeout_s=240)
     print(format_report(report))
     _keep(f"gpu_fsdp{'_cpu_params' if cpu_params else ''}", report)
     r = report["ranks"][0]
@@ -214,3 +214,21 @@ def test_one_gpu_fsdp2_saving_vs_theory_and_bitwise_grads(cpu_params, tmp_path):
                for kind in ("compute", "device-to-host", "host-to-device")}
     assert busiest["device-to-host"] != busiest["compute"] != busiest["host-to-device"], r["streams"]
     assert os.path.isfile(os.path.join(trace_dir, "fsdp_trace_rank0.json"))
+
+
+def _sleep_forever(rank: int) -> None:
+    import time
+
+    time.sleep(3600)
+
+
+def test_a_hung_rank_is_stopped_and_reported_not_waited_for():
+    """A rank that never finishes (a rendezvous or collective that hangs) ends the call with a
+    TimeoutError, and no spawned process outlives it."""
+    import multiprocessing
+
+    from offload_examples.scenarios.cli import spawn_ranks
+
+    with pytest.raises(TimeoutError, match="did not finish within 3 s"):
+        spawn_ranks(_sleep_forever, (), nprocs=2, timeout_s=3)
+    assert not multiprocessing.active_children()

@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import platform
+import socket
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -27,7 +29,8 @@ from offload_examples.instruments.models import import_transformer_engine
 from offload_examples.instruments.report import write_json
 from offload_examples.scenarios.sizes import ScenarioConfig
 
-__all__ = ["DEVICE", "Placement", "ScenarioConfig", "add_config_options", "report_header", "scenario_main"]
+__all__ = ["DEVICE", "Placement", "ScenarioConfig", "add_config_options", "free_port", "report_header", "scenario_main",
+           "spawn_ranks"]
 
 C = TypeVar("C", bound=ScenarioConfig)
 
@@ -172,3 +175,30 @@ def scenario_main(
     if not report["grads_equal"]:
         sys.exit(failure)
     return report
+
+
+def free_port() -> int:
+    """A TCP port on this host that nothing listens on now (for the ranks' rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(fn: Callable[..., None], args: tuple, nprocs: int, timeout_s: float = 900.0) -> None:
+    """Run ``fn(rank, *args)`` in ``nprocs`` new processes and wait for all of them, at most ``timeout_s``.
+
+    A rank that raises ends the others and raises here (as ``torch.multiprocessing.spawn`` does). A rank
+    that hangs (a collective whose peer died, a rendezvous that never completes) is killed with the
+    others when the time is up, and :class:`TimeoutError` says so: no process outlives the call.
+    """
+    context = torch.multiprocessing.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{nprocs} rank(s) did not finish within {timeout_s:.0f} s; they were stopped")
+    finally:
+        for p in context.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()

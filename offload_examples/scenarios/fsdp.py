@@ -46,7 +46,6 @@ import dataclasses
 import gc
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -66,7 +65,7 @@ from offload_examples.instruments.measure import deterministic_kernels, resident
 from offload_examples.instruments.models import Checkpointed, build_basic_model
 from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table
 from offload_examples.instruments.timeline import Span, overlap_ms
-from offload_examples.scenarios.cli import Placement, report_header, scenario_main
+from offload_examples.scenarios.cli import Placement, free_port, report_header, scenario_main, spawn_ranks
 from offload_examples.scenarios.sizes import ScenarioConfig, Timing, TransformerSize
 
 __all__ = [
@@ -406,12 +405,6 @@ def _worker(rank: int, config: FsdpConfig, launch: Launch, out_dir: str, port: i
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def under_torchrun() -> bool:
     """Whether this process is one rank that torchrun (or another launcher setting its variables) started."""
     return all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
@@ -425,7 +418,8 @@ def default_world(device_type: str) -> int:
 
 
 def run(config: FsdpConfig | None = None, launch: Launch | None = None,
-        progress: Callable[[str], None] | None = print, trace_dir: str | Path | None = None) -> dict[str, Any]:
+        progress: Callable[[str], None] | None = print, trace_dir: str | Path | None = None,
+        timeout_s: float = 900.0) -> dict[str, Any]:
     """Run the scenario on ``config.world`` ranks and gather their results.
 
     Parameters
@@ -439,6 +433,8 @@ def run(config: FsdpConfig | None = None, launch: Launch | None = None,
         Called with progress lines (rank 0's; spawned ranks print them themselves when it is set).
     trace_dir:
         On CUDA, a folder for each rank's Chrome trace of one profiled step with offloading.
+    timeout_s:
+        Spawned ranks that have not finished by then are stopped, and :class:`TimeoutError` is raised.
 
     Returns
     -------
@@ -472,8 +468,7 @@ def run(config: FsdpConfig | None = None, launch: Launch | None = None,
             dist.destroy_process_group()
     else:
         with tempfile.TemporaryDirectory() as out_dir:
-            torch.multiprocessing.spawn(_worker, args=(config, launch, out_dir, _free_port(), verbose, trace_dir),
-                                        nprocs=config.world, join=True)
+            spawn_ranks(_worker, (config, launch, out_dir, free_port(), verbose, trace_dir), config.world, timeout_s)
             ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(config.world)]
     ranks = [json.loads(json.dumps(r)) for r in ranks]  # the same plain types however they were gathered
     return {

@@ -21,7 +21,6 @@ import dataclasses
 import importlib.util
 import json
 import os
-import socket
 import statistics
 import tempfile
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from offload_examples.core.schedule import one_f_one_b_order, sync_dict_for_orde
 from offload_examples.instruments.measure import deterministic_kernels
 from offload_examples.instruments.models import build_basic_model
 from offload_examples.instruments.report import format_bytes, format_table
-from offload_examples.scenarios.cli import Placement, scenario_main
+from offload_examples.scenarios.cli import Placement, free_port, scenario_main, spawn_ranks
 from offload_examples.scenarios.sizes import MicroBatches, ScenarioConfig, TransformerSize
 
 __all__ = ["DistConfig", "OffloadedStage", "expand_order", "format_report", "main", "run"]
@@ -209,12 +208,6 @@ def _run_rank(rank: int, world: int, cfg: DistConfig, device: torch.device) -> d
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(config: DistConfig | None = None, backend: str = "auto") -> dict[str, Any]:
     """Spawn one process per stage, run the scenario, and gather the ranks' results."""
     if backend == "auto":
@@ -223,8 +216,7 @@ def run(config: DistConfig | None = None, backend: str = "auto") -> dict[str, An
         raise RuntimeError(f"backend nccl needs one GPU per stage; {torch.cuda.device_count()} visible")
     config = config or (DistConfig() if backend == "nccl" else DistConfig.small())
     with tempfile.TemporaryDirectory() as out_dir:
-        torch.multiprocessing.spawn(_worker, args=(config.stages, config, backend, out_dir, _free_port()),
-                                    nprocs=config.stages, join=True)
+        spawn_ranks(_worker, (config.stages, config, backend, out_dir, free_port()), config.stages)
         ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(config.stages)]
     device = torch.cuda.get_device_name(0) if backend == "nccl" else "cpu"
     return {"scenario": "pipeline-dist", "backend": backend, "device_type": "cuda" if backend == "nccl" else "cpu",
