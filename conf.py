@@ -31,7 +31,7 @@ release = version = offload_examples.__version__
 
 root_doc = "docs/index"
 include_patterns = ["docs/**", "notebooks/*.ipynb"]
-exclude_patterns = ["_build", "**/.ipynb_checkpoints", "docs/snippets/**", "docs/bench/**"]
+exclude_patterns = ["_build", "**/.ipynb_checkpoints", "docs/snippets/**", "docs/bench/**", "docs/runs/**"]
 
 extensions = [
     "myst_parser",

@@ -11,6 +11,7 @@ from .core.layer_state import LayerState
 from .core.policy import mark_not_offload
 from .core.schedule import DefaultSchedule, ManualSchedule, SyncDictSchedule
 from .core.synchronizer import OffloadSynchronizer
+from .features.apply import offload_layers
 from .features.optim_offload import OptimizerOffload
 from .features.weight_stream import StreamedLayers
 
@@ -31,4 +32,5 @@ __all__ = [
     "SyncDictSchedule",
     "get_cpu_offload_context",
     "mark_not_offload",
+    "offload_layers",
 ]

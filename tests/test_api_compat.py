@@ -51,7 +51,8 @@ def test_signature_matches_transformer_engine():
     defaults = [params[name].default for name in TE_PARAMETERS]
     assert defaults == [False, 1, 2 - 1, True, False, False, False, False, None]
     keyword_only = [name for name, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
-    assert keyword_only == ["synchronization_dict", "min_offload_bytes", "host_memory_limit", "device"]
+    assert keyword_only == ["synchronization_dict", "min_offload_bytes", "host_memory_limit", "device",
+                            "max_offload_bytes_per_layer"]
 
 
 def test_megatron_positional_call_returns_a_pair_and_trains_bitwise_equal():

@@ -41,6 +41,7 @@ def get_cpu_offload_context(
     min_offload_bytes: int = 1024,
     host_memory_limit: int | None = None,
     device: torch.device | str | None = None,
+    max_offload_bytes_per_layer: int | None = None,
 ) -> tuple[OffloadContext, SyncFunction] | tuple[OffloadContext, SyncFunction, OffloadSynchronizer | None]:
     """Build an offload context and its sync function.
 
@@ -98,6 +99,10 @@ def get_cpu_offload_context(
     device : torch.device, str or None, default None
         Keyword-only. The compute device; the current CUDA device when CUDA is available, else
         the CPU.
+    max_offload_bytes_per_layer : int or None, default None
+        Keyword-only. Most bytes one offloaded layer copies out per iteration; storages saved after
+        that stay on the device (first saved, first offloaded). ``None``: no cap. To offload only
+        what some submodules save, see :meth:`~offload_examples.OffloadEngine.offload_modules`.
 
     Returns
     -------
@@ -157,6 +162,7 @@ def get_cpu_offload_context(
         retain_pinned_cpu_buffers=retain_pinned_cpu_buffers,
         offload_stream=offload_stream,
         host_memory_limit=host_memory_limit,
+        max_offload_bytes_per_layer=max_offload_bytes_per_layer,
     )
     if manual_synchronization:
         return engine, engine.sync, engine.synchronizer

@@ -52,8 +52,10 @@ import threading
 import warnings
 import weakref
 from types import TracebackType
+from typing import Iterable
 
 import torch
+from torch import nn
 
 from .errors import (GraphCaptureError, OffloadWarning, aborted_step_error, capture_mismatch_error, in_place_error,
                      nested_error, no_buffer_error, reload_never_started_error, timing_in_capture_error,
@@ -61,7 +63,7 @@ from .errors import (GraphCaptureError, OffloadWarning, aborted_step_error, capt
 from .layer_state import ALLOWED_FROM, LayerState, LayerStats
 from .host_pool import HostBuffer, HostBufferPool, HostMemoryLimitError, NoFreeBufferError
 from .readouts import EngineReadouts
-from .policy import NOT_FROM_AUTOGRAD, held_elsewhere, keep_reason, mark_not_offload
+from .policy import NOT_FROM_AUTOGRAD, OUTSIDE_SELECTION, ModuleSelection, held_elsewhere, keep_reason, mark_not_offload
 from .schedule import DefaultSchedule, ManualSchedule, SyncDictSchedule
 from .streams import Streams
 from .synchronizer import OffloadSynchronizer
@@ -253,6 +255,9 @@ class OffloadEngine(EngineReadouts):
         Stream for device-to-host copies; a new one when ``None``.
     host_memory_limit:
         Most host bytes the pool may hold; beyond it tensors stay on the device (with a warning).
+    max_offload_bytes_per_layer:
+        Most bytes one layer offloads per iteration; storages saved after that stay on the device
+        (first saved, first offloaded). ``None``: no cap.
     """
 
     def __init__(
@@ -265,9 +270,13 @@ class OffloadEngine(EngineReadouts):
         retain_pinned_cpu_buffers: bool = False,
         offload_stream: torch.cuda.Stream | None = None,
         host_memory_limit: int | None = None,
+        max_offload_bytes_per_layer: int | None = None,
     ):
         if not isinstance(min_offload_bytes, int) or min_offload_bytes < 0:
             raise ValueError(f"min_offload_bytes must be an int >= 0, got {min_offload_bytes!r}")
+        if max_offload_bytes_per_layer is not None and (
+                not isinstance(max_offload_bytes_per_layer, int) or max_offload_bytes_per_layer < 1):
+            raise ValueError(f"max_offload_bytes_per_layer must be an int >= 1 or None, got {max_offload_bytes_per_layer!r}")
         if schedule is None:
             schedule = ManualSchedule(model_layers)
         elif model_layers is not None and model_layers != schedule.model_layers:
@@ -278,6 +287,8 @@ class OffloadEngine(EngineReadouts):
         self.synchronizer = OffloadSynchronizer(self)
         self.device = device
         self.min_offload_bytes = min_offload_bytes
+        self.max_offload_bytes_per_layer = max_offload_bytes_per_layer
+        self.selection: ModuleSelection | None = None  # see offload_modules()
         self.streams = Streams(device, offload_stream)
         self.pool = HostBufferPool(
             pin_memory=device.type == "cuda", retain=retain_pinned_cpu_buffers, limit_bytes=host_memory_limit
@@ -318,6 +329,22 @@ class OffloadEngine(EngineReadouts):
         :class:`GraphCaptureError` during its forward.
         """
         self.pool.frozen = True
+
+    def offload_modules(self, modules: Iterable[nn.Module]) -> None:
+        """Offload only the tensors saved while one of ``modules`` runs its forward (any depth).
+
+        Give the submodules of the offloaded layers that hold the activations worth moving (the
+        attention block, the MLP's first projection...); everything else those layers save stays on
+        the device. Call it again to choose others; :meth:`offload_all_modules` undoes it.
+        """
+        self.offload_all_modules()
+        self.selection = ModuleSelection(modules)
+
+    def offload_all_modules(self) -> None:
+        """Offload what every module of an offloaded layer saves (the default)."""
+        if self.selection is not None:
+            self.selection.remove()
+            self.selection = None
 
     def reset(self) -> None:
         """Abandon the current iteration: give back its GPU copies and host buffers at once.
@@ -573,6 +600,8 @@ class OffloadEngine(EngineReadouts):
         reason = keep_reason(t, self.device, self.min_offload_bytes)
         if reason is not None and type(t) not in (torch.Tensor, torch.nn.Parameter):
             self._warn_once("subclass", f"{reason} is not offloaded")
+        if (reason is None or reason == NOT_FROM_AUTOGRAD) and not self._chosen(t, layer):
+            reason = OUTSIDE_SELECTION
         deferred = reason == NOT_FROM_AUTOGRAD
         if reason is not None and not deferred:
             stats.kept_tensors += 1
@@ -590,6 +619,18 @@ class OffloadEngine(EngineReadouts):
                 stats.offloaded_tensors += 1
             self.live_views += 1
             return _SavedView(rec, t, weakref.ref(self))
+
+    def _chosen(self, t: torch.Tensor, layer: int) -> bool:
+        """Whether ``t`` may be offloaded: saved inside a chosen module, and within the layer's byte cap
+        (a storage already offloaded rides along; a new one counts whole)."""
+        if self.selection is not None and not self.selection.active:
+            return False
+        cap = self.max_offload_bytes_per_layer
+        if cap is None or not self.schedule.is_offloaded(layer):
+            return True
+        storage = t.untyped_storage()
+        known = storage.data_ptr() in self._by_storage[layer]
+        return known or self.stats[layer].candidate_bytes + storage.nbytes() <= cap
 
     def _record_for(self, t: torch.Tensor, layer: int, deferred: bool) -> _StorageRecord:
         """The record of ``t``'s storage: found, or made (and, by default, copied out at once)."""

@@ -22,9 +22,12 @@ has one more holder, and stays.
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 
-__all__ = ["NOT_FROM_AUTOGRAD", "held_elsewhere", "is_weight_like", "keep_reason", "mark_not_offload"]
+__all__ = ["NOT_FROM_AUTOGRAD", "OUTSIDE_SELECTION", "ModuleSelection", "held_elsewhere", "is_weight_like", "keep_reason",
+           "mark_not_offload"]
 
 _KEEP_ATTR = "_offload_examples_keep"
 #: :func:`keep_reason`'s answer for tensors decided at the end of the layer (see the module docstring).
@@ -103,3 +106,44 @@ def held_elsewhere(storage_view: torch.Tensor, ours: int) -> bool:
         return False
     storage = storage_view.untyped_storage()  # this Python object holds one reference too
     return _use_count(storage._cdata) > ours + 1
+
+
+class ModuleSelection:
+    """Offload only what chosen submodules save: a count of how deep the forward is inside them.
+
+    Forward hooks on each module raise the count when its forward starts and lower it when it ends,
+    also when it raises (``always_call``), so a tensor saved while the count is above zero was saved
+    by one of them (or by something they called). Autograd saves tensors only during forward, so the
+    count is all the engine needs to ask.
+    """
+
+    def __init__(self, modules: Iterable[torch.nn.Module]):
+        self.depth = 0
+        self.modules = list(modules)
+        if not self.modules or not all(isinstance(m, torch.nn.Module) for m in self.modules):
+            raise TypeError("offload_modules expects one or more torch.nn.Module objects")
+        self._handles = []
+        for m in self.modules:
+            self._handles.append(m.register_forward_pre_hook(self._entered))
+            self._handles.append(m.register_forward_hook(self._left, always_call=True))
+
+    def _entered(self, module: torch.nn.Module, args: object) -> None:
+        self.depth += 1
+
+    def _left(self, module: torch.nn.Module, args: object, output: object) -> None:
+        self.depth -= 1
+
+    @property
+    def active(self) -> bool:
+        """Whether a chosen module's forward is running now."""
+        return self.depth > 0
+
+    def remove(self) -> None:
+        """Take the hooks off the modules."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+#: :func:`keep_reason`-style answer for a tensor saved outside the chosen modules.
+OUTSIDE_SELECTION = "saved outside the modules chosen with offload_modules"
