@@ -52,10 +52,8 @@ import threading
 import warnings
 import weakref
 from types import TracebackType
-from typing import Iterable
 
 import torch
-from torch import nn
 
 from .errors import (GraphCaptureError, OffloadWarning, aborted_step_error, capture_mismatch_error, in_place_error,
                      nested_error, no_buffer_error, reload_never_started_error, timing_in_capture_error,
@@ -63,7 +61,9 @@ from .errors import (GraphCaptureError, OffloadWarning, aborted_step_error, capt
 from .layer_state import ALLOWED_FROM, LayerState, LayerStats
 from .host_pool import HostBuffer, HostBufferPool, HostMemoryLimitError, NoFreeBufferError
 from .readouts import EngineReadouts
-from .policy import NOT_FROM_AUTOGRAD, OUTSIDE_SELECTION, ModuleSelection, held_elsewhere, keep_reason, mark_not_offload
+from .settings import EngineSettings
+from .policy import (NOT_FROM_AUTOGRAD, OUTSIDE_SELECTION, KeptTensor as _Kept, ModuleSelection, held_elsewhere,
+                     keep_reason, mark_not_offload)
 from .schedule import DefaultSchedule, ManualSchedule, SyncDictSchedule
 from .streams import Streams
 from .synchronizer import OffloadSynchronizer
@@ -73,27 +73,6 @@ __all__ = [
 ]
 
 _active = threading.local()  # the engine whose context is open in this thread, if any
-
-
-class _Kept:
-    """A saved tensor that stays on the device, with the version it was saved at.
-
-    While saved-tensor hooks are active autograd no longer checks for in-place changes itself,
-    so the engine does. The tensor is held detached: an output that held its own ``grad_fn``
-    through this object would form a reference cycle (autograd restores the link on unpack).
-    """
-
-    __slots__ = ("tensor", "version", "layer")
-
-    def __init__(self, t: torch.Tensor, layer: int):
-        self.tensor = t.detach()
-        self.version = t._version
-        self.layer = layer
-
-    def unpack(self) -> torch.Tensor:
-        if self.tensor._version != self.version:
-            raise in_place_error(self.layer)
-        return self.tensor
 
 
 class _StorageRecord:
@@ -228,7 +207,7 @@ class _SavedView:
                 pass
 
 
-class OffloadEngine(EngineReadouts):
+class OffloadEngine(EngineReadouts, EngineSettings):
     """Context manager that offloads saved activations of selected layers.
 
     Enter it once per layer and pass each layer's output through :meth:`sync`; see
@@ -309,42 +288,10 @@ class OffloadEngine(EngineReadouts):
         self._counted: list[LayerStats] | None = None  # what the layers not offloaded saved, once counted
         self._new_iteration()
 
-    # ------------------------------------------------------------------ controls (read-outs: EngineReadouts)
-    def release_buffers(self) -> None:
-        """Free the pinned host buffers that are not in use (those of captured graphs stay)."""
-        self.pool.release()
-
+    # ------------------------------------------------------------------ controls (more: EngineSettings)
     def capturing(self) -> bool:
         """Whether the current CUDA stream is being captured into a graph (never on the CPU)."""
         return self.streams.is_cuda and torch.cuda.is_current_stream_capturing()
-
-    def freeze_host_buffers(self) -> None:
-        """Allocate no more host buffers: later steps reuse the ones made so far.
-
-        A CUDA graph capture needs exactly this, and the engine behaves so by itself while
-        capturing. Calling it after an eager warm-up step of a context built with
-        ``retain_pinned_cpu_buffers=True`` (without it, buffers go back to PyTorch's cache as soon
-        as they are free) runs that graph-safe path eagerly, on a CPU too: buffers stay fixed,
-        nothing is pinned per step, and a step that would need a new buffer raises
-        :class:`GraphCaptureError` during its forward.
-        """
-        self.pool.frozen = True
-
-    def offload_modules(self, modules: Iterable[nn.Module]) -> None:
-        """Offload only the tensors saved while one of ``modules`` runs its forward (any depth).
-
-        Give the submodules of the offloaded layers that hold the activations worth moving (the
-        attention block, the MLP's first projection...); everything else those layers save stays on
-        the device. Call it again to choose others; :meth:`offload_all_modules` undoes it.
-        """
-        self.offload_all_modules()
-        self.selection = ModuleSelection(modules)
-
-    def offload_all_modules(self) -> None:
-        """Offload what every module of an offloaded layer saves (the default)."""
-        if self.selection is not None:
-            self.selection.remove()
-            self.selection = None
 
     def reset(self) -> None:
         """Abandon the current iteration: give back its GPU copies and host buffers at once.
@@ -592,7 +539,7 @@ class OffloadEngine(EngineReadouts):
 
     # ------------------------------------------------------------------ autograd hooks
     def _pack(self, t: torch.Tensor) -> _Kept | _SavedView:
-        """Autograd's pack hook (step 1): a :class:`_Kept` for a tensor the policy keeps (or while
+        """Autograd's pack hook (step 1): a :class:`~offload_examples.core.policy.KeptTensor` for a tensor the policy keeps (or while
         a layer that is not offloaded is counted), else a :class:`_SavedView` of its storage's record."""
         layer = self._layer
         stats = self.stats[layer]

@@ -26,7 +26,9 @@ from typing import Iterable
 
 import torch
 
-__all__ = ["NOT_FROM_AUTOGRAD", "OUTSIDE_SELECTION", "ModuleSelection", "held_elsewhere", "is_weight_like", "keep_reason",
+from .errors import in_place_error
+
+__all__ = ["NOT_FROM_AUTOGRAD", "OUTSIDE_SELECTION", "KeptTensor", "ModuleSelection", "held_elsewhere", "is_weight_like", "keep_reason",
            "mark_not_offload"]
 
 _KEEP_ATTR = "_offload_examples_keep"
@@ -106,6 +108,27 @@ def held_elsewhere(storage_view: torch.Tensor, ours: int) -> bool:
         return False
     storage = storage_view.untyped_storage()  # this Python object holds one reference too
     return _use_count(storage._cdata) > ours + 1
+
+
+class KeptTensor:
+    """A saved tensor that stays on the device, with the version it was saved at.
+
+    While saved-tensor hooks are active autograd no longer checks for in-place changes itself,
+    so the engine does. The tensor is held detached: an output that held its own ``grad_fn``
+    through this object would form a reference cycle (autograd restores the link on unpack).
+    """
+
+    __slots__ = ("tensor", "version", "layer")
+
+    def __init__(self, t: torch.Tensor, layer: int):
+        self.tensor = t.detach()
+        self.version = t._version
+        self.layer = layer
+
+    def unpack(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise in_place_error(self.layer)
+        return self.tensor
 
 
 class ModuleSelection:

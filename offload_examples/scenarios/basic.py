@@ -129,8 +129,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """``python -m offload_examples basic``: check the options, run, print the report (see
-    :func:`~offload_examples.scenarios.cli.scenario_main`)."""
+    """``python -m offload_examples basic``: run it from the command line (see :func:`.scenario_main`)."""
     return scenario_main("basic", __doc__, BasicConfig, run, format_report, argv,
                          extra=lambda p: p.add_argument("--no-retain-pinned", dest="retain_pinned", action="store_false",
                                                         default=None, help="empty the pinned host buffers after "

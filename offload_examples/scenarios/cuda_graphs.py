@@ -226,6 +226,5 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """``python -m offload_examples cuda-graphs``: check the options, run, print the report (see
-    :func:`~offload_examples.scenarios.cli.scenario_main`)."""
+    """``python -m offload_examples cuda-graphs``: run it from the command line (see :func:`.scenario_main`)."""
     return scenario_main("cuda-graphs", __doc__, GraphsConfig, run, format_report, argv)

@@ -180,8 +180,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """``python -m offload_examples optimizer-offload``: check the options, run, print the report (see
-    :func:`~offload_examples.scenarios.cli.scenario_main`)."""
+    """``python -m offload_examples optimizer-offload``: run it from the command line (see :func:`.scenario_main`)."""
     def fractions(parser):
         parser.add_argument("--fractions", type=fractions_arg, metavar="F,F,...",
                             help="fractions of the parameters whose state is offloaded, comma-separated "

@@ -243,8 +243,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """``python -m offload_examples pipeline``: check the options, run, print the report (see
-    :func:`~offload_examples.scenarios.cli.scenario_main`)."""
+    """``python -m offload_examples pipeline``: run it from the command line (see :func:`.scenario_main`)."""
     # the order and schedule are written for these sizes: only --device, --small and --json
     return scenario_main("pipeline", __doc__, PipelineConfig, run, format_report, argv, sizes=False,
                          failure="gradients differ with offloading")

@@ -275,8 +275,7 @@ def _choose_backend(parser, args: argparse.Namespace, config_cls: type[DistConfi
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """``python -m offload_examples pipeline-dist``: check the options, run, print the report (see
-    :func:`~offload_examples.scenarios.cli.scenario_main`)."""
+    """``python -m offload_examples pipeline-dist``: run it from the command line (see :func:`.scenario_main`)."""
     # the sizes are fixed (full, or small with --small or gloo); --backend/--device say where it runs
     return scenario_main("pipeline-dist", __doc__, DistConfig, run, format_report, argv, sizes=False,
                          placement=Placement(_backend_options, _choose_backend, progress=False),
