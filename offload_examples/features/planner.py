@@ -8,7 +8,7 @@ The step modelled is :class:`~offload_examples.core.schedule.DefaultSchedule`'s:
   more) and holds ``saved_bytes`` on top of the input while it runs.
 - ``OFFLOAD``: its ``saved_bytes`` are copied out from the start of its forward and released, and
   reloaded, at :class:`SubsetSchedule`'s points (for the first ``k`` layers these are exactly
-  ``DefaultSchedule(k, N)``'s, the only sets the engine runs today). A release waits for its copy
+  ``DefaultSchedule(k, N)``'s; :func:`apply_plan` runs any set on the engine). A release waits for its copy
   out, a backward for its reload; copies run one at a time per direction
   (:meth:`DefaultSchedule.predict_step_ms`). The last layer is never offloaded.
 
@@ -31,11 +31,15 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+import torch
+from torch import nn
+
+from ..core.engine import OffloadEngine
 from ..core.schedule import DefaultSchedule, Phase
 
 __all__ = [
-    "KEEP", "OFFLOAD", "RECOMPUTE", "Choice", "LayerCost", "LinkCost", "Plan", "SubsetSchedule", "pareto", "plan",
-    "simulate_plan",
+    "KEEP", "OFFLOAD", "RECOMPUTE", "Checkpointed", "Choice", "LayerCost", "LinkCost", "Plan", "SubsetSchedule",
+    "apply_plan", "pareto", "plan", "simulate_plan",
 ]
 
 #: ``prefix_only=False`` tries all ``3^N`` plans; beyond this many layers it refuses.
@@ -352,3 +356,46 @@ def pareto(costs: Sequence[LayerCost], link: LinkCost, base_bytes: int = 0, pref
     costs = _validate(costs, link, base_bytes)
     front = _front(costs, link, base_bytes, math.inf, prefix_only)
     return [Plan(ch, peak, ms) for _, peak, _, ms, ch in sorted(front, key=lambda p: p[1::-1])]
+
+
+class Checkpointed(nn.Module):
+    """Wrap a layer in activation recomputation (``torch.utils.checkpoint``, non-reentrant).
+
+    Only the layer's input is kept for backward; its forward runs again during backward.
+    """
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.layer, x, use_reentrant=False)
+
+
+def apply_plan(chosen: Plan, layers: Sequence[nn.Module], device: torch.device | str | None = None,
+               **engine_options: Any) -> tuple[OffloadEngine, Any, list[nn.Module]]:
+    """A plan made runnable: ``(ctx, sync, layers)`` for the usual loop.
+
+    The returned layers are ``layers`` with every recomputed one wrapped in :class:`Checkpointed`;
+    ``ctx`` offloads exactly the plan's offloaded layers, at :class:`SubsetSchedule`'s points (the
+    engine's default schedule when they are the first ``k``)::
+
+        ctx, sync, run_layers = apply_plan(chosen, model.layers)
+        for layer in run_layers:
+            with ctx:
+                h = layer(h)
+            h = sync(h)
+
+    ``engine_options`` go to :class:`~offload_examples.OffloadEngine` (``retain_pinned_cpu_buffers``,
+    ``min_offload_bytes``...). Raises ``ValueError`` when the plan and the layers differ in length.
+    """
+    if len(chosen.choices) != len(layers):
+        raise ValueError(f"the plan has {len(chosen.choices)} choices but there are {len(layers)} layers")
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    offloaded = [i for i, c in enumerate(chosen.choices) if c is OFFLOAD]
+    engine = OffloadEngine(_schedule(offloaded, len(layers)), device=torch.device(device), **engine_options)
+    run = [Checkpointed(layer) if c is RECOMPUTE else layer for layer, c in zip(layers, chosen.choices)]
+    return engine, engine.sync, run

@@ -10,6 +10,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from offload_examples.features.planner import Checkpointed  # noqa: F401  (the scenarios' recomputation wrapper)
+
 __all__ = [
     "BasicLayer", "Checkpointed", "TE_LAYER", "TORCH_LAYER", "build_basic_model", "build_linear_stack",
     "has_transformer_engine", "import_transformer_engine", "layer_kind",
@@ -150,18 +152,3 @@ def build_linear_stack(
     return layers.to(device=device, dtype=dtype)
 
 
-class Checkpointed(nn.Module):
-    """Wrap a layer in activation recomputation (``torch.utils.checkpoint``, non-reentrant).
-
-    Only the layer's input is kept for backward; its forward runs again during backward.
-    Used to compare recomputation with offloading on the same layers.
-    """
-
-    def __init__(self, layer: nn.Module):
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from torch.utils.checkpoint import checkpoint
-
-        return checkpoint(self.layer, x, use_reentrant=False)
