@@ -284,3 +284,25 @@ def test_an_applied_plan_runs_bitwise_and_offloads_exactly_its_layers():
         assert ctx.live_views == 0
     with pytest.raises(ValueError, match="6 choices but there are 5 layers"):
         apply_plan(chosen, list(model)[:5], device="cpu")
+
+
+def test_measured_costs_match_what_each_layer_saves_and_takes_in():
+    """measure_costs: saved bytes as the engine counts them, input bytes of each layer's input, times > 0."""
+    import torch
+
+    from offload_examples import get_cpu_offload_context
+    from offload_examples.instruments.measure import training_step
+    from offload_examples.instruments.models import build_linear_stack
+    from offload_examples.instruments.plan_costs import measure_costs, measure_link
+
+    model = build_linear_stack(4, 32)
+    x = torch.randn(16, 32, requires_grad=True)
+    costs, base = measure_costs(list(model), x, steps=2)
+    assert x.grad is None and all(p.grad is None for p in model.parameters())  # left as found
+    probe, sync = get_cpu_offload_context(enabled=True, num_layers=0, model_layers=4, device="cpu")
+    training_step(model, x, probe, sync)
+    assert [c.saved_bytes for c in costs] == [s.candidate_bytes for s in probe.stats]
+    assert all(c.input_bytes == x.numel() * 4 for c in costs)  # every layer maps width 32 to width 32
+    assert all(c.forward_ms > 0 and c.backward_ms > 0 for c in costs) and base == 0
+    link = measure_link("cpu", nbytes=2**20)
+    assert link.d2h_gb_per_s > 0 and link.h2d_gb_per_s == link.d2h_gb_per_s

@@ -330,8 +330,8 @@ def plan(costs: Sequence[LayerCost], link: LinkCost, budget_bytes: int, base_byt
     identical layers (N = 96: 2.4 s), 176 for 48 layers of two kinds, 3,600 for 64 layers of random
     costs (9 s).
 
-    ``prefix_only=False`` allows any set of offloaded layers (:class:`SubsetSchedule`, not yet run
-    by the engine) and tries every plan: exact, for up to :data:`EXHAUSTIVE_MAX_LAYERS` layers.
+    ``prefix_only=False`` allows any set of offloaded layers (:class:`SubsetSchedule`, which
+    :func:`apply_plan` runs) and tries every plan: exact, for up to :data:`EXHAUSTIVE_MAX_LAYERS` layers.
     """
     costs = _validate(costs, link, base_bytes)
     _check("plan", "budget_bytes", budget_bytes, int)

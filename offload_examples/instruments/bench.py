@@ -53,7 +53,7 @@ from offload_examples.instruments.models import (
     TE_LAYER, Checkpointed, build_basic_model, has_transformer_engine, import_transformer_engine, layer_kind,
 )
 from offload_examples.instruments.report import CPU_TIMING_NOTE, ProgressBar, format_bytes, format_markdown_table, write_json
-from offload_examples.instruments.timeline import Span, achieved_gb_per_s, record_layer_timeline
+from offload_examples.instruments.timeline import Span, achieved_gb_per_s, per_layer_ms, record_layer_timeline
 
 __all__ = ["MODELS", "PLOTS_MISSING", "STRATEGIES", "BenchConfig", "ModelSpec", "main", "run", "write_outputs"]
 
@@ -225,10 +225,7 @@ def _link(device: torch.device) -> dict[str, float] | None:
 
 def _layer_times(spans: Sequence[Span], n: int, total_ms: float) -> tuple[list[float], list[float]]:
     """Per-layer forward and backward ms of a run without offloading, scaled to ``total_ms``."""
-    fwd, bwd = [0.0] * n, [0.0] * n
-    for s in spans:
-        if s.lane == "compute" and s.name[:1] in "FB" and s.layer is not None:
-            (fwd if s.name[0] == "F" else bwd)[s.layer] += s.end - s.start
+    fwd, bwd = per_layer_ms(spans, n)
     traced = sum(fwd) + sum(bwd)
     scale = total_ms / traced if traced > 0 else 1.0
     return [t * scale for t in fwd], [t * scale for t in bwd]

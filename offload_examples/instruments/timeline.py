@@ -32,8 +32,8 @@ if TYPE_CHECKING:
     from ..core.engine import OffloadEngine
 
 __all__ = [
-    "LANES", "Span", "StepRecorder", "achieved_gb_per_s", "overlap_ms", "record_layer_timeline", "record_timeline",
-    "spans_from_trace",
+    "LANES", "Span", "StepRecorder", "achieved_gb_per_s", "overlap_ms", "per_layer_ms", "record_layer_timeline",
+    "record_timeline", "spans_from_trace",
 ]
 
 #: The lanes, in drawing order.
@@ -219,3 +219,12 @@ def achieved_gb_per_s(spans: Sequence[Span], lane: str) -> float | None:
     busy = sum(e - s for s, e in _merge([(s.start, s.end) for s in spans if s.lane == lane]))
     nbytes = sum(s.nbytes for s in spans if s.lane == lane)
     return nbytes / busy / 1e6 if busy > 0 and nbytes else None
+
+
+def per_layer_ms(spans: Sequence[Span], n: int) -> tuple[list[float], list[float]]:
+    """Each of ``n`` layers' forward and backward ms on the compute stream, from :func:`record_layer_timeline`."""
+    fwd, bwd = [0.0] * n, [0.0] * n
+    for s in spans:
+        if s.lane == "compute" and s.name[:1] in "FB" and s.layer is not None:
+            (fwd if s.name[0] == "F" else bwd)[s.layer] += s.end - s.start
+    return fwd, bwd
