@@ -562,3 +562,74 @@ def test_in_place_change_after_release_through_the_base_is_caught():
     a.add_(1)
     with pytest.raises(RuntimeError, match="modified in place"):
         out.sum().backward()
+
+
+# ---------------------------------------------------------------------- layers that run without hooks
+def _linear_layers(n: int = 4, width: int = 64) -> torch.nn.ModuleList:
+    torch.manual_seed(0)
+    return torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.GELU(),
+                                                   torch.nn.Linear(2 * width, width)) for _ in range(n))
+
+
+def _grads(layers: torch.nn.ModuleList, x: torch.Tensor, run) -> list[torch.Tensor]:
+    for p in layers.parameters():
+        p.grad = None
+    run(x).square().mean().backward()
+    return [p.grad.clone() for p in layers.parameters()]
+
+
+def test_a_checkpoint_around_each_entry_works_in_every_step():
+    """Hugging Face style gradient checkpointing of blocks whose forward enters the context: layers not
+    offloaded keep their hooks while the checkpoint's are active, so its recomputation sees the same
+    tensors in every step (it failed from the second step when they ran without hooks)."""
+    from torch.utils.checkpoint import checkpoint
+
+    layers, x = _linear_layers(), torch.randn(4, 16, 64)
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=4, device="cpu")
+
+    def entered(layer):
+        def run(h):
+            with ctx:
+                return layer(h)
+        return run
+
+    def offloaded(h):
+        for layer in layers:
+            h = sync(checkpoint(entered(layer), h, use_reentrant=False))
+        return h
+
+    def plain(h):
+        for layer in layers:
+            h = layer(h)
+        return h
+
+    reference = _grads(layers, x, plain)
+    for _ in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(reference, _grads(layers, x, offloaded)))
+        assert ctx.live_views == 0
+
+
+def test_counts_of_layers_without_hooks_follow_a_change_of_shape():
+    """Stats of layers that are not offloaded are carried over, and counted again when a layer's
+    output changes shape: the theory of a step with a 4x batch is that of a fresh engine."""
+    layers = _linear_layers()
+
+    def through(ctx, sync):
+        def run(h):
+            for layer in layers:
+                with ctx:
+                    h = layer(h)
+                h = sync(h)
+            return h
+        return run
+
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=4, device="cpu")
+    _grads(layers, torch.randn(2, 16, 64), through(ctx, sync))
+    big = torch.randn(8, 16, 64)
+    _grads(layers, big, through(ctx, sync))  # the change is seen at layer 0's output: layers 1..3 recounted
+    fresh, fresh_sync = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=4, device="cpu")
+    _grads(layers, big, through(fresh, fresh_sync))
+    assert ctx.stats == fresh.stats
+    assert ctx.theoretical() == fresh.theoretical()
+    _grads(layers, big, through(ctx, sync))  # and the next step carries the new counts
+    assert ctx.stats == fresh.stats

@@ -46,7 +46,6 @@ together, or :class:`GraphCaptureError` is raised during the capture, never at r
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import threading
 import warnings
@@ -60,7 +59,7 @@ from .errors import (GraphCaptureError, OffloadWarning, aborted_step_error, capt
                      too_many_entries_error)
 from .layer_state import ALLOWED_FROM, LayerState, LayerStats
 from .host_pool import HostBuffer, HostBufferPool, HostMemoryLimitError, NoFreeBufferError
-from .readouts import EngineReadouts
+from .readouts import EngineReadouts, LayerCounts
 from .settings import EngineSettings
 from .policy import (NOT_FROM_AUTOGRAD, OUTSIDE_SELECTION, KeptTensor as _Kept, ModuleSelection, held_elsewhere,
                      keep_reason, mark_not_offload)
@@ -279,13 +278,8 @@ class OffloadEngine(EngineReadouts, EngineSettings):
         self._in_layer = False
         self._passthrough = False  # entered under no_grad: saves nothing, counts for nothing
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
-        #: Hooks cost Python work per saved tensor, on the host's critical path when a step is launch
-        #: bound (Transformer Engine layers: a step's host time was about its GPU time). So layers the
-        #: schedule does not offload run without them once one iteration has counted what they save
-        #: (their :attr:`stats` are carried over: the theory needs them), unless this is ``True``.
-        #: An engine that offloads nothing is a probe: it counts every layer in every iteration.
-        self.count_every_iteration = not any(schedule.is_offloaded(j) for j in range(self.model_layers))
-        self._counted: list[LayerStats] | None = None  # what the layers not offloaded saved, once counted
+        #: Which layers are hooked; an engine that offloads nothing is a probe and counts every layer.
+        self.counts = LayerCounts(every_iteration=not any(map(schedule.is_offloaded, range(self.model_layers))))
         self._new_iteration()
 
     # ------------------------------------------------------------------ controls (more: EngineSettings)
@@ -317,14 +311,12 @@ class OffloadEngine(EngineReadouts, EngineSettings):
                 self.pool.end_iteration(keep_free=capturing or self.pool.frozen)
             self.iteration += 1
             n = self.model_layers
-            if getattr(self, "_entered", 0) == n and not self.count_every_iteration:  # every layer was counted
-                self._counted = self._counted or self.stats
             self._records: list[list[_StorageRecord]] = [[] for _ in range(n)]
             self._by_storage: list[dict[int, _StorageRecord]] = [{} for _ in range(n)]
             self._seen: list[set[int]] = [set() for _ in range(n)]
             self.layer_state = [LayerState.NOT_RUN] * n
-            self.stats = [LayerStats() if self._counted is None or self.schedule.is_offloaded(j)
-                          else dataclasses.replace(self._counted[j]) for j in range(n)]
+            self.stats = self.counts.new_iteration(getattr(self, "stats", []), getattr(self, "_entered", 0),
+                                                   [self.schedule.is_offloaded(j) for j in range(n)])
             self.events, self.resident_trace, self.memory_trace = [], [], []  # the read-outs (EngineReadouts)
             self.resident_bytes = 0
             self.live_views = 0
@@ -393,7 +385,7 @@ class OffloadEngine(EngineReadouts, EngineSettings):
         self._layer = j
         self._in_layer = True
         _active.engine = self
-        if self._counted is None or self.count_every_iteration or self.schedule.is_offloaded(j):
+        if self.counts.hooked(j, self.schedule.is_offloaded(j), self.stats):
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._hooks.__enter__()
         return self
@@ -439,6 +431,7 @@ class OffloadEngine(EngineReadouts, EngineSettings):
             return x
         if self._entered == 0:
             raise RuntimeError("sync was called before any layer ran inside the offload context")
+        self.counts.output(self._entered - 1, x)
         x.register_hook(functools.partial(_grad_hook, weakref.ref(self), self.iteration, self._entered - 1))
         return x
 

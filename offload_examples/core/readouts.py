@@ -7,6 +7,7 @@ file that tells the life of an offloaded tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -16,7 +17,7 @@ from .errors import OffloadWarning
 from .layer_state import LayerState, LayerStats
 from .schedule import ResidentTrace
 
-__all__ = ["EngineReadouts"]
+__all__ = ["EngineReadouts", "LayerCounts"]
 
 
 class EngineReadouts:
@@ -59,8 +60,9 @@ class EngineReadouts:
         A ``synchronization_dict`` without an order is walked along the order the phases ran in;
         manual synchronization along the actions as they were called.
         """
-        offloaded = [s.offloaded_bytes for s in self.stats]
-        kept = [s.candidate_bytes - s.offloaded_bytes for s in self.stats]
+        ran = [state is not LayerState.NOT_RUN for state in self.layer_state]  # carried counts of layers that ran
+        offloaded = [s.offloaded_bytes if r else 0 for s, r in zip(self.stats, ran)]
+        kept = [s.candidate_bytes - s.offloaded_bytes if r else 0 for s, r in zip(self.stats, ran)]
         return self.schedule.predict(offloaded, kept, self.events)
 
     def phase_order(self) -> list[tuple[str, int]]:
@@ -93,3 +95,60 @@ class EngineReadouts:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(message, OffloadWarning, stacklevel=3)
+
+
+def _outer_hooks_active() -> bool:
+    """Whether saved-tensor hooks of someone else (a checkpoint, ``save_on_cpu``) are active now."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return True if top is None else top(False) is not None
+
+
+class LayerCounts:
+    """Which layers the engine hooks, and the counts it carries over for those it does not.
+
+    Saved-tensor hooks cost Python work per saved tensor, on the host's critical path when a step is
+    launch bound (Transformer Engine layers: a step's host time was about its GPU time). So once an
+    iteration has counted what every layer saves, layers the schedule does not offload run without
+    hooks, and their :class:`~offload_examples.LayerStats` are carried over from that iteration
+    (the theory needs them). They are counted again when a layer's output changes shape or dtype
+    (the next layers at once, all of them from the next iteration). Every layer is hooked while
+    another saved-tensor hook is active (a checkpoint around the layer: its recomputation must see
+    the same tensors as its forward), and always when ``every_iteration`` is set (a probe engine).
+    """
+
+    def __init__(self, every_iteration: bool):
+        #: Hook and count every layer in every iteration.
+        self.every_iteration = every_iteration
+        self._counted: list[LayerStats] | None = None  # a full iteration's counts
+        self._outputs: list[tuple | None] = []  # each layer's output (shape, dtype) when they were counted
+        self._seen_outputs: list[tuple | None] = []
+        self._carried: set[int] = set()  # layers whose stats this iteration are copies
+        self._all_hooked = True
+
+    def new_iteration(self, last_stats: list[LayerStats], entered: int, offloaded: list[bool]) -> list[LayerStats]:
+        """The stats the next iteration starts from (after ``entered`` entries of the last one)."""
+        n = len(offloaded)
+        if entered == n and self._all_hooked and not self.every_iteration:
+            self._counted, self._outputs = last_stats, self._seen_outputs
+        carry = self._counted is not None and not self.every_iteration
+        self._carried = {j for j in range(n) if carry and not offloaded[j]}
+        self._seen_outputs, self._all_hooked = [None] * n, True
+        return [dataclasses.replace(self._counted[j]) if j in self._carried else LayerStats() for j in range(n)]
+
+    def hooked(self, layer: int, offloaded: bool, stats: list[LayerStats]) -> bool:
+        """Whether ``layer``'s entry installs the hooks; its carried stats are dropped if it does."""
+        if offloaded or self._counted is None or self.every_iteration or _outer_hooks_active():
+            if layer in self._carried:
+                self._carried.discard(layer)
+                stats[layer] = LayerStats()  # counted afresh, not on top of the carried counts
+            return True
+        self._all_hooked = False
+        return False
+
+    def output(self, layer: int, x: torch.Tensor) -> None:
+        """``layer`` returned ``x``: a new shape or dtype means the counts are out of date."""
+        seen = (tuple(x.shape), x.dtype)
+        if 0 <= layer < len(self._seen_outputs):
+            self._seen_outputs[layer] = seen
+        if self._counted is not None and layer < len(self._outputs) and self._outputs[layer] != seen:
+            self._counted = None

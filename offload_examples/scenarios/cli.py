@@ -12,6 +12,9 @@ with one line on standard error and exit code 2.
 from __future__ import annotations
 
 import argparse
+import inspect
+import os
+import json
 import dataclasses
 import platform
 import socket
@@ -30,7 +33,7 @@ from offload_examples.instruments.report import write_json
 from offload_examples.scenarios.sizes import ScenarioConfig
 
 __all__ = ["DEVICE", "Placement", "ScenarioConfig", "add_config_options", "free_port", "report_header", "scenario_main",
-           "spawn_ranks"]
+           "rank_results", "spawn_ranks"]
 
 C = TypeVar("C", bound=ScenarioConfig)
 
@@ -193,8 +196,10 @@ def spawn_ranks(fn: Callable[..., None], args: tuple, nprocs: int, timeout_s: fl
     """
     context = torch.multiprocessing.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
+    # when one rank fails, give the others a second to stop, not torch's default half minute
+    grace = {"grace_period": 1.0} if "grace_period" in inspect.signature(context.join).parameters else {}
     try:
-        while not context.join(timeout=1.0):
+        while not context.join(timeout=1.0, **grace):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{nprocs} rank(s) did not finish within {timeout_s:.0f} s; they were stopped")
     finally:
@@ -202,3 +207,16 @@ def spawn_ranks(fn: Callable[..., None], args: tuple, nprocs: int, timeout_s: fl
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+def rank_results(folder: str, world: int) -> list[dict[str, Any]]:
+    """The ``rank{r}.json`` each spawned rank wrote into ``folder``; a rank that wrote none is an error
+    (a rank interrupted with Ctrl-C exits with code 0 and no result)."""
+    results = []
+    for r in range(world):
+        path = os.path.join(folder, f"rank{r}.json")
+        if not os.path.exists(path):
+            raise RuntimeError(f"rank {r} ended without writing its result (was it interrupted?)")
+        with open(path) as f:
+            results.append(json.load(f))
+    return results

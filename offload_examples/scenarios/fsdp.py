@@ -65,7 +65,7 @@ from offload_examples.instruments.measure import deterministic_kernels, resident
 from offload_examples.instruments.models import Checkpointed, build_basic_model
 from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table
 from offload_examples.instruments.timeline import Span, overlap_ms
-from offload_examples.scenarios.cli import Placement, free_port, report_header, scenario_main, spawn_ranks
+from offload_examples.scenarios.cli import Placement, free_port, rank_results, report_header, scenario_main, spawn_ranks
 from offload_examples.scenarios.sizes import ScenarioConfig, Timing, TransformerSize
 
 __all__ = [
@@ -469,7 +469,7 @@ def run(config: FsdpConfig | None = None, launch: Launch | None = None,
     else:
         with tempfile.TemporaryDirectory() as out_dir:
             spawn_ranks(_worker, (config, launch, out_dir, free_port(), verbose, trace_dir), config.world, timeout_s)
-            ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(config.world)]
+            ranks = rank_results(out_dir, config.world)
     ranks = [json.loads(json.dumps(r)) for r in ranks]  # the same plain types however they were gathered
     return {
         **report_header("fsdp", torch.device(launch.device_type), config),

@@ -37,7 +37,7 @@ from offload_examples.core.schedule import one_f_one_b_order, sync_dict_for_orde
 from offload_examples.instruments.measure import deterministic_kernels
 from offload_examples.instruments.models import build_basic_model
 from offload_examples.instruments.report import format_bytes, format_table
-from offload_examples.scenarios.cli import Placement, free_port, scenario_main, spawn_ranks
+from offload_examples.scenarios.cli import Placement, free_port, rank_results, scenario_main, spawn_ranks
 from offload_examples.scenarios.sizes import MicroBatches, ScenarioConfig, TransformerSize
 
 __all__ = ["DistConfig", "OffloadedStage", "expand_order", "format_report", "main", "run"]
@@ -217,7 +217,7 @@ def run(config: DistConfig | None = None, backend: str = "auto") -> dict[str, An
     config = config or (DistConfig() if backend == "nccl" else DistConfig.small())
     with tempfile.TemporaryDirectory() as out_dir:
         spawn_ranks(_worker, (config.stages, config, backend, out_dir, free_port()), config.stages)
-        ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(config.stages)]
+        ranks = rank_results(out_dir, config.stages)
     device = torch.cuda.get_device_name(0) if backend == "nccl" else "cpu"
     return {"scenario": "pipeline-dist", "backend": backend, "device_type": "cuda" if backend == "nccl" else "cpu",
             "device": device, "torch": torch.__version__,
