@@ -33,6 +33,21 @@ root_doc = "docs/index"
 include_patterns = ["docs/**", "notebooks/*.ipynb"]
 exclude_patterns = ["_build", "**/.ipynb_checkpoints", "docs/snippets/**", "docs/bench/**", "docs/runs/**"]
 
+# The files the prose takes its numbers from: {stored}`bench:models[A].runs[engine,k=2].overhead|+pct`
+# writes that value of docs/bench/bench.json into the page when the site is built, and a value that
+# is not there fails the build (docs/_ext/offload_docs.py; tests/test_prose_numbers.py checks the
+# numbers the prose writes by itself). A notebook's numbers are what its stored outputs printed.
+stored_sources = {
+    "bench": "docs/bench/bench.json",  # the benchmark on the H100 (docs/benchmarks.md)
+    "model-A": "docs/bench/bench.json#models[A]",  # its model A (the basic scenario's shapes)
+    # model A with Transformer Engine's layers, before and after 170f3b7 (hook-free non-offloaded layers)
+    "te-bench-67a2151": "docs/runs/2026-11-23-h100-session2/bench_A_te_k2_k4_at_67a2151.md",
+    "te-bench-1b7a591": "docs/runs/2026-11-23-h100-session2/bench_A_te_k2_k4_at_1b7a591.md",
+    "fsdp": "docs/runs/2026-11-23-h100-session2/gpu_fsdp.json",  # FSDP2 on one H100
+    "fsdp-cpu-params": "docs/runs/2026-11-23-h100-session2/gpu_fsdp_cpu_params.json",  # ... with CPUOffloadPolicy
+    "concepts": "notebooks/01_concepts.ipynb",  # its stored outputs: copies, bandwidths, pinning
+}
+
 extensions = [
     "myst_parser",
     "nbsphinx",

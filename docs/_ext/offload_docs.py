@@ -16,14 +16,21 @@
   as ``type: description``; here those lines are sentences, so napoleon leaves attributes alone.
 - **An entry page at the root** of the output (``index.html``) that forwards to the root
   document, which lives in ``docs/``.
+- **Numbers from the stored data.** ``{stored}`bench:models[A].runs[engine,k=2].overhead|+pct```
+  writes a value of a stored result into the prose when the site is built (see
+  :func:`stored_value`); a value that is not there fails the build, and the page is rebuilt when
+  its data changes. ``tests/test_prose_numbers.py`` checks the numbers the prose writes itself.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import json
+import re
 import xml.etree.ElementTree as ET
 from html import escape
+from pathlib import Path
 from typing import Any
 
 from docutils import nodes
@@ -224,6 +231,191 @@ def _napoleon_without_attributes(app) -> None:
             app.connect("autodoc-process-docstring", process, priority=listener.priority)
 
 
+# -------------------------------------------------------------------------------- stored numbers
+# Every measured number in the prose comes from a file of the repository: a JSON result (the
+# benchmark's bench.json, a run in docs/runs/), or what a notebook printed (its stored outputs).
+# conf.py's ``stored_sources`` names those files; the prose writes
+#
+#   {stored}`bench:models[A].runs[engine,k=2].overhead|+pct`   a JSON value, formatted: "+1.4 %"
+#   {stored}`concepts:"d2h pageable"`                           a number a notebook printed: "13.5 GB/s"
+#
+# A source may name a part of a JSON file ("docs/bench/bench.json#models[A]" for model A's results).
+# A JSON path is keys and list positions separated by dots; ``[...]`` picks the one element of a
+# list whose fields match (``key=value``, or a bare value that any field equals), or a key of a
+# dict. A text source (a notebook's outputs, a Markdown or text file) takes a quoted label that
+# occurs once in it and gives the first number after the label on its line, as printed
+# (``"label"#2``: the second). Anything that does not resolve to exactly one value is an error.
+
+class StoredValueError(ValueError):
+    """A ``{stored}`` reference that does not name exactly one value of its source."""
+
+
+#: How values are written: name -> (scale, decimals, unit, signed). ``|name:d`` sets the decimals.
+FORMATS: dict[str, tuple[Any, int, str, bool]] = {
+    "gib": (lambda v: v / 2**30, 2, " GiB", False),     # bytes
+    "mib": (lambda v: v / 2**20, 2, " MiB", False),     # bytes
+    "gb": (lambda v: v / 1e9, 2, " GB", False),         # bytes, decimal
+    "ms": (lambda v: v, 1, " ms", False),               # milliseconds
+    "s": (lambda v: v, 2, " s", False),                 # seconds
+    "gbps": (lambda v: v, 1, " GB/s", False),           # GB/s
+    "pct": (lambda v: 100 * v, 1, " %", False),         # a ratio: 0.997 -> 99.7 %
+    "+pct": (lambda v: 100 * v, 1, " %", True),         # a relative change: 0.014 -> +1.4 %
+    "excess": (lambda v: 100 * (v - 1), 1, " %", False),  # a ratio's excess over 1: 1.05 -> 5.0 %
+    "+excess": (lambda v: 100 * (v - 1), 1, " %", True),  # the same, signed: 1.009 -> +0.9 %
+    "num": (lambda v: v, 0, "", False),                 # a plain number
+}
+
+_NUMBER = r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?"
+_PRINTED = re.compile(_NUMBER + r"(?:\s?(?:GB/s|GiB|MiB|KiB|GB|MB|KB|ms|µs|s|%|B)(?![\w/]))?")
+_LOADED: dict[tuple[str, int], Any] = {}
+
+
+def _notebook_text(raw: str) -> str:
+    """What a notebook's stored outputs show as text: streams and plain-text results."""
+    parts = []
+    for cell in json.loads(raw).get("cells", []):
+        for out in cell.get("outputs", []):
+            text = out.get("text") if out.get("output_type") == "stream" else out.get("data", {}).get("text/plain")
+            if text and not (out.get("data", {}).keys() & {"image/png", "image/svg+xml"}):
+                parts.append(text if isinstance(text, str) else "".join(text))
+    return "\n".join(parts)
+
+
+def load_stored(path: Path) -> Any:
+    """The content of a source file: parsed JSON, or the text of a notebook's outputs, or text."""
+    key = (str(path), path.stat().st_mtime_ns)
+    if key not in _LOADED:
+        raw = path.read_text(encoding="utf-8")
+        _LOADED[key] = (json.loads(raw) if path.suffix == ".json"
+                        else _notebook_text(raw) if path.suffix == ".ipynb" else raw)
+    return _LOADED[key]
+
+
+def _scalar_equal(field: Any, wanted: str) -> bool:
+    if isinstance(field, (dict, list)):
+        return False
+    if isinstance(field, (int, float)) and not isinstance(field, bool):
+        try:
+            return float(wanted) == field
+        except ValueError:
+            return False
+    return str(field) == wanted
+
+
+def _select(items: list, selector: str, where: str) -> Any:
+    if re.fullmatch(r"-?\d+", selector):
+        return items[int(selector)]
+    tests = [part.strip().partition("=") for part in selector.split(",")]
+    found = [item for item in items if isinstance(item, dict) and all(
+        _scalar_equal(item.get(k), v) if eq else any(_scalar_equal(f, k) for f in item.values())
+        for k, eq, v in tests)]
+    if len(found) != 1:
+        raise StoredValueError(f"{where}[{selector}] matches {len(found)} elements, not one")
+    return found[0]
+
+
+def lookup(data: Any, path: str) -> Any:
+    """The value at ``path`` in parsed JSON (``models[A].runs[engine,k=2].overhead``)."""
+    if not re.fullmatch(r"[^.\[\]]+(?:\.[^.\[\]]+|\[[^\]]*\])*", path):
+        raise StoredValueError(f"cannot read the path {path!r}: keys.separated.by.dots[selector]")
+    steps = list(re.finditer(r"\[([^\]]*)\]|([^.\[\]]+)", path))
+    value, where = data, ""
+    for m in steps:
+        selector, key = m.group(1), m.group(2)
+        try:
+            if isinstance(value, list):
+                value = _select(value, selector if selector is not None else key, where)
+            elif isinstance(value, dict):
+                value = value[selector if selector is not None else key]
+            else:
+                raise StoredValueError(f"{where} is a value ({value!r}), it has no {m.group(0)}")
+        except (KeyError, IndexError):
+            keys = f" (keys: {', '.join(map(str, value))})" if isinstance(value, dict) else ""
+            raise StoredValueError(f"{where or 'the source'} has no {m.group(0)}{keys}") from None
+        where += m.group(0) if selector is not None or not where else "." + m.group(0)
+    return value
+
+
+def quote(text: str, label: str, nth: int = 1) -> str:
+    """The ``nth`` number printed after ``label`` on its line, with its unit, as printed."""
+    count = text.count(label)
+    if count != 1:
+        raise StoredValueError(f"the label {label!r} occurs {count} times in the source, not once")
+    start = text.index(label) + len(label)
+    line = text[start:].split("\n", 1)[0]
+    numbers = [m.group(0) for m in _PRINTED.finditer(line) if not (m.start() and line[m.start() - 1].isalnum())]
+    if len(numbers) < nth:
+        raise StoredValueError(f"the line of {label!r} has {len(numbers)} numbers after the label, not {nth}")
+    return re.sub(r"(?<=\d)%", " %", numbers[nth - 1])  # percentages as the prose writes them
+
+
+def format_value(value: Any, fmt: str | None) -> str:
+    """``value`` as the prose writes it (see :data:`FORMATS`); strings and integers as they are."""
+    if fmt is None:
+        if isinstance(value, bool) or not isinstance(value, (str, int)):
+            raise StoredValueError(f"{value!r} needs a format (|{'|'.join(FORMATS)}|met|span)")
+        return str(value)
+    name, _, digits = fmt.partition(":")
+    if name == "met":  # a target's result
+        if not isinstance(value, bool):
+            raise StoredValueError(f"|met formats a boolean, not {value!r}")
+        return "met" if value else "missed"
+    if name == "span":  # a timeline entry: its length
+        if not (isinstance(value, dict) and {"start", "end"} <= value.keys()):
+            raise StoredValueError(f"|span formats an entry with a start and an end, not {value!r}")
+        value, name = value["end"] - value["start"], "ms"
+    if name not in FORMATS:
+        raise StoredValueError(f"unknown format {fmt!r} (known: {', '.join(FORMATS)}, met, span)")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise StoredValueError(f"|{fmt} formats a number, not {value!r}")
+    scale, decimals, unit, signed = FORMATS[name]
+    decimals = int(digits) if digits else decimals
+    return f"{scale(value):{'+' if signed else ''}.{decimals}f}{unit}"
+
+
+def parse_reference(reference: str) -> tuple[str, str, bool, int, str | None]:
+    """``source:path|format`` or ``source:"label"#n`` -> (source, path or label, is a label, n, format)."""
+    m = re.fullmatch(r'\s*([\w-]+):(?:"([^"]+)"(?:#(\d+))?|([^|"]+?))\s*(?:\|\s*([+\w]+(?::\d+)?))?\s*', reference)
+    if not m:
+        raise StoredValueError(f"cannot read {reference!r}: write source:path|format or source:\"label\"")
+    source, label, nth, path, fmt = m.groups()
+    return source, label if label is not None else path, label is not None, int(nth or 1), fmt or None
+
+
+def stored_value(reference: str, sources: dict[str, str | Path], root: str | Path = ".") -> tuple[str, Path]:
+    """The text a ``{stored}`` reference puts into the prose, and the file it comes from."""
+    source, where, is_label, nth, fmt = parse_reference(reference)
+    if source not in sources:
+        raise StoredValueError(f"unknown source {source!r} (conf.py stored_sources: {', '.join(sources)})")
+    file, _, prefix = str(sources[source]).partition("#")  # "bench.json#models[A]": a part of a file
+    path = Path(root) / file
+    if not path.is_file():
+        raise StoredValueError(f"{source!r}: {path} does not exist")
+    data = load_stored(path)
+    if isinstance(data, str):
+        if not is_label:
+            raise StoredValueError(f"{reference!r}: {path.name} is text: quote a label, source:\"label\"")
+        if fmt is not None:
+            raise StoredValueError(f"{reference!r}: a number quoted from text is written as printed (no format)")
+        return quote(data, where, nth), path
+    if is_label:
+        raise StoredValueError(f"{reference!r}: {path.name} is JSON: give a path, not a label")
+    if prefix:
+        where = prefix + ("" if where.startswith("[") else ".") + where
+    return format_value(lookup(data, where), fmt), path
+
+
+def stored_role(name, rawtext, text, lineno, inliner, options=None, content=None):
+    env = inliner.document.settings.env
+    try:
+        value, path = stored_value(text, env.config.stored_sources, env.srcdir)
+    except (StoredValueError, OSError, ValueError) as err:
+        msg = inliner.reporter.error(f"{{stored}}`{text}`: {err}", line=lineno)
+        return [inliner.problematic(rawtext, rawtext, msg)], [msg]
+    env.note_dependency(str(path))  # the page is read again when its data changes
+    return [nodes.inline(rawtext, value, classes=["stored"])], []
+
+
 # ------------------------------------------------------------------------------------ entry page
 def write_root_index(app, exception) -> None:
     """``<out>/index.html``: forwards to the root document when that lives in a folder."""
@@ -250,4 +442,6 @@ def setup(app):
     app.connect("missing-reference", resolve_reexported)
     app.connect("autodoc-skip-member", skip_member)
     app.connect("build-finished", write_root_index)
+    app.add_config_value("stored_sources", {}, "env", types=(dict,))
+    app.add_role("stored", stored_role)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
