@@ -46,6 +46,9 @@ stored_sources = {
     "fsdp": "docs/runs/2026-11-23-h100-session2/gpu_fsdp.json",  # FSDP2 on one H100
     "fsdp-cpu-params": "docs/runs/2026-11-23-h100-session2/gpu_fsdp_cpu_params.json",  # ... with CPUOffloadPolicy
     "concepts": "notebooks/01_concepts.ipynb",  # its stored outputs: copies, bandwidths, pinning
+    # the GPU runs docs/reliability.md reports: the basic scenario on TE layers, the second session's record
+    "basic-te": "docs/runs/2026-11-23-h100/basic_te_layers.json",
+    "gpu-session2": "docs/runs/2026-11-23-h100-session2/README.md",
 }
 
 extensions = [

@@ -39,10 +39,7 @@ sys.path.insert(0, str(ROOT / "docs" / "_ext"))
 import offload_docs  # noqa: E402
 
 #: Pages whose numbers are not checked yet, and why. Keep this empty.
-NOT_CHECKED = {
-    "docs/reliability.md": "being rewritten in another change; its GPU figures are in docs/runs/ "
-                           "(basic_te_layers.json, the session README) and should move to {stored}",
-}
+NOT_CHECKED: dict[str, str] = {}
 
 
 def _stored_sources() -> dict[str, str]:
@@ -203,6 +200,71 @@ def _optimizer_theory(d: Data) -> tuple[str, ...]:
     return tuple(shares) if len(shares) == 1 else (f"<differs: {sorted(shares)}>",)
 
 
+RUNS_H100 = "docs/runs/2026-11-23-h100"
+
+
+def _test_code(rel: str, pattern: str) -> str:
+    """The one number ``pattern`` (a regex with one group) finds in a test file: a bar the test sets."""
+    (found,) = re.findall(pattern, (ROOT / rel).read_text())
+    return found
+
+
+def _soak_gpu_drift(d: Data) -> tuple[str, ...]:
+    asserted = _test_code("tests/test_reliability.py", r'assert max\(map\(abs, report\["drift"\]\)\) == (\d+)')
+    passed = "PASSED tests/test_reliability.py::test_soak_gpu" in d.load(f"{RUNS_H100}/gpu_tests_with_te.txt")
+    return _claim(passed, (asserted,), "gpu_tests_with_te.txt does not show test_soak_gpu passing")
+
+
+def _te_gpu_bars(d: Data) -> tuple[str, ...]:
+    held = float(_test_code("tests/test_te_gpu.py", r"assert offloaded >= ([\d.]+) \* sum\(held"))
+    within = float(_test_code("tests/test_te_gpu.py", r"<= ([\d.]+) \* released"))
+    return _f(100 * held), _f(100 * within)
+
+
+def _summary(text: str) -> dict[str, int]:
+    """pytest's last line: ``4 failed, 33 passed, 1 skipped, ...`` as {outcome: count}."""
+    (line,) = re.findall(r"^(?:\d+ \w+, )*\d+ \w+ in [\d.]+s.*$", text, re.M)
+    return {outcome: int(n) for n, outcome in re.findall(r"(\d+) (\w+)", line.split(" in ")[0])}
+
+
+def _gpu_without_te(d: Data) -> tuple[str, ...]:
+    counts = _summary(d.load(f"{RUNS_H100}/gpu_tests_without_te.txt"))
+    return str(counts["passed"]), str(counts["skipped"])
+
+
+def _te_runs(d: Data) -> list[str]:
+    """The log of each of the three runs in one process (gpu_tests_with_te.txt, up to ``RUN n exit``)."""
+    return re.split(r"^RUN \d+ exit \d+$", d.load(f"{RUNS_H100}/gpu_tests_with_te.txt"), flags=re.M)[:-1]
+
+
+def _gpu_with_te(d: Data) -> tuple[str, ...]:
+    runs = _te_runs(d)
+    counts = {tuple((k, _summary(r).get(k, 0)) for k in ("passed", "failed", "skipped")) for r in runs}
+    failed = {frozenset(re.findall(r"^FAILED (\S+)", r, re.M)) for r in runs}
+    if len(counts) != 1 or len(failed) != 1:
+        return (f"<runs differ: {counts}, {failed}>",)
+    (c,), (f,) = [dict(x) for x in counts], failed
+    return WORDS[len(runs)], str(c["passed"]), str(c["failed"]), str(c["skipped"]), WORDS[len(f)]
+
+
+def _te_grad_difference(d: Data) -> tuple[str, ...]:
+    diffs = {float(x) for x in re.findall(r"AssertionError: ([\d.e-]+)$", d.load(f"{RUNS_H100}/gpu_tests_with_te.txt"), re.M)}
+    mantissa, exponent = f"{max(diffs):.1e}".split("e-")
+    return mantissa, str(int(exponent))
+
+
+def _bench_short_run(d: Data) -> tuple[str, ...]:
+    found = set(re.findall(r"^E +assert ([\d.]+) >= ([\d.]+)$", d.load(f"{RUNS_H100}/gpu_tests_with_te.txt"), re.M))
+    if len(found) != 1:
+        return (f"<runs differ: {sorted(found)}>",)
+    ((measured, bar),) = found
+    return _f(100 * float(bar)), _f(100 * float(measured), 1)
+
+
+def _bench_te_bar(d: Data) -> tuple[str, ...]:
+    return (_f(100 * float(_test_code("tests/test_bench.py", r'>= \(([\d.]+) if model\["layer_kind"\] == TE_LAYER'))),)
+
+
 #: NVIDIA's figure for NVLink-C2C, per direction (900 GB/s in total): a specification, not a
 #: measurement of this project; the hardware page says so.
 NVLINK_C2C_GB_S = 450
@@ -296,6 +358,23 @@ QUOTED = [
     Quoted("docs/api_mapping.md", "`min_offload_size` bytes ({} KiB by default)", lambda d: ("1",),
            "torchtune's OffloadActivations(min_offload_size=1024): another library's default, not a measurement"),
     Quoted("docs/fsdp.md", "at least {} % of the theoretical one", _fsdp_bar, "the bar tests/test_fsdp.py's GPU test sets"),
+    # docs/reliability.md (its other GPU figures are {stored} values)
+    Quoted("docs/reliability.md", "(drift {} B)", _soak_gpu_drift,
+           "tests/test_reliability.py: test_soak_gpu asserts no drift; gpu_tests_with_te.txt shows it passed"),
+    Quoted("docs/reliability.md", "give up at least {} % of what their forwards hold (allocator's count); GPU bytes plus "
+           "offloaded host bytes equal the bytes without offloading within {} % of the offloaded bytes",
+           _te_gpu_bars, "the bars tests/test_te_gpu.py sets"),
+    Quoted("docs/reliability.md", "`OFFLOAD_EXAMPLES_REQUIRE_GPU=1`, {} passed, {} skipped", _gpu_without_te,
+           "gpu_tests_without_te.txt: pytest's summary line"),
+    Quoted("docs/reliability.md", "{} runs of the GPU suite in one process: each {} passed, {} failed, {} skipped, "
+           "the same {} each time", _gpu_with_te,
+           "gpu_tests_with_te.txt: the runs, each one's summary line and FAILED tests"),
+    Quoted("docs/reliability.md", "with and without offloading differed by up to {}e-{},", _te_grad_difference,
+           "gpu_tests_with_te.txt: the largest gradient difference an AssertionError printed"),
+    Quoted("docs/reliability.md", "short run to {} % of the allocator's count on TE layers; it measured {} %",
+           _bench_short_run, "gpu_tests_with_te.txt: test_bench_short_gpu_run's failed assertion, the same in every run"),
+    Quoted("docs/reliability.md", "the bar for TE layers is now {} %", _bench_te_bar,
+           "the bar tests/test_bench.py sets for TE layers"),
     # notebooks (their Markdown)
     Quoted("notebooks/04_cuda_graphs.ipynb", "by {} GiB here, with and without offloading", _graph_pool_extra,
            "the notebook's table: graphed minus eager peak, without and with offloading"),
