@@ -1,8 +1,9 @@
 """The offload engine: the whole life of an offloaded tensor, in the order it happens.
 
 1. **Saved.** Inside ``with ctx:`` of an offloaded layer, autograd hands every tensor it saves for
-   backward to :meth:`OffloadEngine._pack` (other layers run without hooks, as if there were no
-   context). :func:`~offload_examples.core.policy.keep_reason` keeps weights and small tensors
+   backward to :meth:`OffloadEngine._pack` (once an iteration has counted what they save, other
+   layers run without hooks: :class:`~offload_examples.core.readouts.LayerCounts`).
+   :func:`~offload_examples.core.policy.keep_reason` keeps weights and small tensors
    on the device. Any other tensor is looked
    up by its *storage*: the first tensor of a storage creates a :class:`_StorageRecord`, later
    tensors of the same storage (views, the same tensor saved again) reuse it, so each storage is
