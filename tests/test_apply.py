@@ -187,3 +187,60 @@ def test_offload_modules_on_a_hand_written_loop():
     assert ctx.stats[0].offloaded_bytes == attn_out
     ctx.offload_all_modules()
     assert not blocks[0].attn._forward_hooks
+
+
+def test_a_hook_that_raises_before_the_selection_does_not_stop_offloading():
+    """A user's pre-hook on a chosen submodule raises before the selection counts the entry; torch
+    still runs the selection's always-call hook, which must not count a leave it never entered."""
+    model, x = model_and_input()
+    handle = offload_layers(model, Block, num_layers=2, modules=["attn"], device=CPU)
+    step(model, x)
+    offloaded = handle.ctx.stats[0].offloaded_bytes
+    assert offloaded > 0
+    handle.remove()
+    bad = model.blocks[0].attn.register_forward_pre_hook(lambda m, a: (_ for _ in ()).throw(ValueError("bad input")))
+    handle = offload_layers(model, Block, num_layers=2, modules=["attn"], device=CPU)
+    with pytest.raises(ValueError, match="bad input"):
+        step(model, x)
+    bad.remove()
+    handle.ctx.reset()
+    step(model, x)
+    assert handle.ctx.stats[0].offloaded_bytes == offloaded and handle.ctx.selection.depth == 0
+    handle.remove()
+
+
+def test_a_layer_called_twice_in_one_forward_is_a_clear_error():
+    model, x = model_and_input()
+    original = Model.forward
+
+    def twice(self, h):
+        h = self.embed(h)
+        for block in [*self.blocks, self.blocks[1]]:
+            h, _ = block(h)
+        return self.head(h)
+
+    handle = offload_layers(model, Block, num_layers=2, device=CPU)
+    Model.forward = twice
+    try:
+        with pytest.raises(RuntimeError, match="'blocks.1' ran twice in one forward"):
+            step(model, x)
+    finally:
+        Model.forward = original
+    handle.ctx.reset()
+    reference_model, _ = model_and_input()
+    assert compare_grads(snapshot(reference_model, x, step(reference_model, x)), snapshot(model, x, step(model, x))).equal
+    handle.remove()
+
+
+def test_an_output_offload_layers_cannot_sync_abandons_the_step_cleanly():
+    class DictBlock(Block):
+        def forward(self, x):
+            return {"hidden": super().forward(x)[0]}
+
+    torch.manual_seed(0)
+    layers = nn.ModuleList(DictBlock() for _ in range(3))
+    handle = offload_layers(layers, DictBlock, num_layers=1, device=CPU)
+    with pytest.raises(TypeError, match="returned dict"):
+        layers[0](torch.randn(2, 4, WIDTH, requires_grad=True))
+    assert handle.ctx.live_views == 0 and handle.ctx.resident_bytes == 0 and handle.ctx.events == []
+    handle.remove()

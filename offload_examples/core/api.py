@@ -101,7 +101,7 @@ def get_cpu_offload_context(
         the CPU.
     max_offload_bytes_per_layer : int or None, default None
         Keyword-only. Most bytes one offloaded layer copies out per iteration; storages saved after
-        that stay on the device (first saved, first offloaded). ``None``: no cap. To offload only
+        that stay on the device (storages in save order, each while it still fits). ``None``: no cap. To offload only
         what some submodules save, see :meth:`~offload_examples.OffloadEngine.offload_modules`.
 
     Returns

@@ -236,7 +236,7 @@ class OffloadEngine(EngineReadouts, EngineSettings):
         Most host bytes the pool may hold; beyond it tensors stay on the device (with a warning).
     max_offload_bytes_per_layer:
         Most bytes one layer offloads per iteration; storages saved after that stay on the device
-        (first saved, first offloaded). ``None``: no cap.
+        (storages in the order they are saved, each while it still fits). ``None``: no cap.
     """
 
     def __init__(
@@ -327,6 +327,8 @@ class OffloadEngine(EngineReadouts, EngineSettings):
 
     def _abort(self) -> None:
         """A step failed: give back every buffer and start afresh."""
+        if self.selection is not None:
+            self.selection.reset()
         with self._lock:
             capturing = self.capturing()
             for records in self._records:

@@ -142,6 +142,7 @@ class ModuleSelection:
 
     def __init__(self, modules: Iterable[torch.nn.Module]):
         self.depth = 0
+        self._open: dict[int, int] = {}  # entries counted per module (a hook before ours may raise first)
         self.modules = list(modules)
         if not self.modules or not all(isinstance(m, torch.nn.Module) for m in self.modules):
             raise TypeError("offload_modules expects one or more torch.nn.Module objects")
@@ -151,10 +152,18 @@ class ModuleSelection:
             self._handles.append(m.register_forward_hook(self._left, always_call=True))
 
     def _entered(self, module: torch.nn.Module, args: object) -> None:
+        self._open[id(module)] = self._open.get(id(module), 0) + 1
         self.depth += 1
 
     def _left(self, module: torch.nn.Module, args: object, output: object) -> None:
-        self.depth -= 1
+        # ``always_call`` also runs this when a pre-hook before ours raised: only count what was counted
+        if self._open.get(id(module), 0) > 0:
+            self._open[id(module)] -= 1
+            self.depth -= 1
+
+    def reset(self) -> None:
+        """Forget any forward still open (a step failed inside a chosen module)."""
+        self.depth, self._open = 0, {}
 
     @property
     def active(self) -> bool:

@@ -132,18 +132,38 @@ def offload_layers(model: nn.Module, layers: LayerChoice, num_layers: int, *,
                     raise ValueError(f"layer {name!r} ({type(layer).__name__}) has no submodule {sub!r}") from None
         ctx.offload_modules(chosen)
 
+    ran: set[int] = set()  # layers entered in the model's current forward
+    inside: set[int] = set()  # layers whose entry this hook made (a pre-hook before it may raise first)
+
+    def new_forward(module: nn.Module, args: Any) -> None:
+        ran.clear()
+
     def enter(module: nn.Module, args: Any) -> None:
+        if id(module) in ran:  # the schedule counts entries: a second call would shift every later layer
+            raise RuntimeError(f"layer {names[id(module)]!r} ran twice in one forward of the model; offload_layers "
+                               "needs each chosen layer called once per forward (use the context by hand otherwise)")
         ctx.__enter__()
+        ran.add(id(module))
+        inside.add(id(module))
 
     def leave(module: nn.Module, args: Any, output: Any) -> Any:
+        if id(module) not in inside:
+            return None
+        inside.discard(id(module))
         error = sys.exc_info()
         if output is None and error[0] is not None:  # the layer raised: leave as a with-block would
             ctx.__exit__(*error)
             return None
+        try:
+            hidden, rebuild = _first_tensor(output)
+        except TypeError as err:
+            ctx.__exit__(TypeError, err, err.__traceback__)  # the step is abandoned, as for any failure inside
+            raise
         ctx.__exit__(None, None, None)
-        hidden, rebuild = _first_tensor(output)
         return rebuild(sync(hidden))
 
+    names = {id(layer): name for name, layer in found}
+    handle._handles.append(model.register_forward_pre_hook(new_forward))
     for _, layer in found:
         handle._handles.append(layer.register_forward_pre_hook(enter))
         handle._handles.append(layer.register_forward_hook(leave, always_call=True))

@@ -41,7 +41,9 @@ def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 3) 
     """One :class:`~offload_examples.features.planner.LayerCost` per layer, and the base bytes.
 
     The base bytes are what is allocated on the device before the step (weights, the input): the
-    planner adds them to every predicted peak. ``steps`` timed steps follow one warm-up step; each
+    planner adds them to every predicted peak. The steps clear the ``.grad`` of the layers' parameters
+    and of ``x`` (also when one fails): call it before accumulating gradients, not in the middle.
+    ``steps`` timed steps follow one warm-up step; each
     layer's times are the median over them. On a CPU the times are host times of a CPU run: right
     for planning a CPU run, not a prediction for a GPU.
     """
