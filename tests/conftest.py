@@ -12,7 +12,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from offload_examples.instruments.models import import_transformer_engine  # noqa: E402
+from offload_examples.instruments.models import has_transformer_engine, import_transformer_engine  # noqa: E402
 
 # Transformer Engine must be imported before anything starts CUDA (else a system cuDNN may load).
 import_transformer_engine()
@@ -41,3 +41,17 @@ def _require_gpu() -> None:
 @pytest.fixture
 def cuda() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
+
+
+@pytest.fixture(scope="session")
+def te():
+    """``transformer_engine.pytorch``. Without Transformer Engine a test using it is skipped, unless
+    ``OFFLOAD_EXAMPLES_REQUIRE_TE=1`` (set it on a node where TE belongs to the stack): then it fails."""
+    if not has_transformer_engine():
+        if os.environ.get("OFFLOAD_EXAMPLES_REQUIRE_TE") == "1":
+            pytest.fail("OFFLOAD_EXAMPLES_REQUIRE_TE=1 but transformer_engine is not installed")
+        pytest.skip("Transformer Engine is not installed")
+    import_transformer_engine()
+    import transformer_engine.pytorch as te
+
+    return te

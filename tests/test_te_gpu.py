@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 
 import pytest
 import torch
@@ -18,39 +17,17 @@ import torch
 from offload_examples import get_cpu_offload_context
 from offload_examples.instruments.bench import _held_bytes
 from offload_examples.instruments.measure import compare_grads, measure_steps
-from offload_examples.instruments.models import has_transformer_engine, import_transformer_engine
+from offload_examples.instruments.te_compare import RECIPES, TeModel, fp8_autocast, te_tutorial_model
 
 pytestmark = pytest.mark.gpu
-
-if not has_transformer_engine():
-    if os.environ.get("OFFLOAD_EXAMPLES_REQUIRE_TE") == "1":
-        raise RuntimeError("OFFLOAD_EXAMPLES_REQUIRE_TE=1 but transformer_engine is not installed")
-    pytest.skip("Transformer Engine is not installed", allow_module_level=True)
 
 HIDDEN, FFN, HEADS, SEQ, BATCH = 1024, 4096, 8, 1024, 4
 LAYERS, K = 6, 2
 
 
-@pytest.fixture(scope="module")
-def te():
-    import_transformer_engine()
-    import transformer_engine.pytorch as te
-
-    return te
-
-
 def tutorial_model(te, cuda) -> torch.nn.ModuleList:
     """The shape of TE's CPU-offloading tutorial: each layer a Linear and a TE TransformerLayer."""
-    torch.manual_seed(0)
-    layers = torch.nn.ModuleList(
-        torch.nn.Sequential(
-            torch.nn.Linear(HIDDEN, HIDDEN),
-            te.TransformerLayer(HIDDEN, FFN, HEADS, hidden_dropout=0.0, attention_dropout=0.0,
-                                attn_input_format="bshd"),
-        )
-        for _ in range(LAYERS)
-    )
-    return layers.to(device=cuda, dtype=torch.bfloat16)
+    return te_tutorial_model(TeModel(LAYERS, HIDDEN, FFN, HEADS, SEQ, BATCH), cuda)
 
 
 def data(cuda) -> torch.Tensor:
@@ -116,18 +93,12 @@ def test_gpu_te_gpu_plus_host_bytes_equal_the_bytes_without_offloading(te, cuda)
     assert ctx.live_views == 0 and ctx.resident_bytes == 0
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "DelayedScaling", "Float8CurrentScaling"])
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_gpu_te_gradients_are_bitwise_equal_under_every_recipe(te, cuda, recipe):
     """Offloading changes no bit of the output or of any gradient, in bf16 and under FP8 autocast."""
-    if recipe != "bf16":
-        from transformer_engine.common import recipe as recipes
+    def autocast():
+        return fp8_autocast(recipe)
 
-        fp8_recipe = getattr(recipes, recipe)()
-
-        def autocast():
-            return te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe)
-    else:
-        autocast = contextlib.nullcontext
     x = data(cuda)
 
     def steps(ctx=None, sync=None):

@@ -28,7 +28,6 @@ two runs without offloading agree, so a mismatch is not blamed on offloading.
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 import sys
 
@@ -38,27 +37,13 @@ import torch
 from offload_examples import get_cpu_offload_context
 from offload_examples.features.graphs import capture_step
 from offload_examples.instruments.measure import Measurement, compare_grads, snapshot
-from offload_examples.instruments.models import has_transformer_engine, import_transformer_engine
+from offload_examples.instruments.te_compare import RECIPES, fp8_autocast
 
 pytestmark = pytest.mark.gpu
-
-if not has_transformer_engine():
-    if os.environ.get("OFFLOAD_EXAMPLES_REQUIRE_TE") == "1":
-        raise RuntimeError("OFFLOAD_EXAMPLES_REQUIRE_TE=1 but transformer_engine is not installed")
-    pytest.skip("Transformer Engine is not installed", allow_module_level=True)
 
 HIDDEN, FFN, HEADS, SEQ, BATCH = 512, 2048, 8, 256, 2
 LAYERS, K = 4, 2
 WARMUP, REPLAYS = 3, 3
-RECIPES = ["bf16", "DelayedScaling", "Float8CurrentScaling"]
-
-
-@pytest.fixture(scope="module")
-def te():
-    import_transformer_engine()
-    import transformer_engine.pytorch as te
-
-    return te
 
 
 def _fp8_state_manager():
@@ -95,14 +80,7 @@ def batches(cuda) -> list[torch.Tensor]:
 
 def recipe_autocast(te, recipe: str):
     """A factory of the autocast each forward runs under: none for bf16, else TE's FP8 autocast."""
-    if recipe == "bf16":
-        return contextlib.nullcontext
-    from transformer_engine.common import recipe as recipes
-
-    fp8_recipe = getattr(recipes, recipe)()
-    if hasattr(te, "autocast"):  # TE 2.x; fp8_autocast is its deprecated spelling
-        return lambda: te.autocast(enabled=True, recipe=fp8_recipe)
-    return lambda: te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe)
+    return lambda: fp8_autocast(recipe)
 
 
 def make_step(model, autocast, ctx=None, sync=None):

@@ -64,7 +64,10 @@ def fp8_autocast(recipe: str) -> contextlib.AbstractContextManager:
     import transformer_engine.pytorch as te
     from transformer_engine.common import recipe as recipes
 
-    return te.fp8_autocast(enabled=True, fp8_recipe=getattr(recipes, recipe)())
+    fp8_recipe = getattr(recipes, recipe)()
+    if hasattr(te, "autocast"):  # TE 2.x; fp8_autocast is its deprecated spelling
+        return te.autocast(enabled=True, recipe=fp8_recipe)
+    return te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe)
 
 
 def _run(size: TeModel, x: torch.Tensor, recipe: str, offload: Callable[[int], Any] | None, steps: int) -> Measurement:
