@@ -55,8 +55,11 @@ run: $(STAMP)  ## the basic scenario and its report (full size on a GPU, small o
 test: $(STAMP) browser  ## the whole test suite (GPU tests run too when CUDA is present; CI=true requires the browser)
 	$(PY) -m pytest
 
-test-gpu: $(STAMP)  ## GPU tests only, failing if CUDA is missing
-	OFFLOAD_EXAMPLES_REQUIRE_GPU=1 $(PY) -m pytest -m gpu
+# REPEAT=3 runs them three times in one process (tests/repeat.py): leaks and a poisoned CUDA context
+# show only when the same process runs the tests again.
+REPEAT ?= 1
+test-gpu: $(STAMP)  ## GPU tests only, failing if CUDA is missing; REPEAT=N runs them N times in one process
+	OFFLOAD_EXAMPLES_REQUIRE_GPU=1 $(PY) tests/repeat.py $(REPEAT) -m gpu
 
 bench: $(STAMP)  ## every strategy side by side: results/bench/bench.{json,md} and plots (tiny on a CPU)
 	$(PY) -m offload_examples bench --out results/bench
