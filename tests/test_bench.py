@@ -185,6 +185,23 @@ def test_layer_timeline_follows_the_schedule():
     assert len(ax.collections) >= 3 + 2 * n
 
 
+def test_waits_are_drawn_only_where_a_release_can_stall_the_compute_stream():
+    """A phase whose actions make compute wait for nothing gets no "wait" span: the time between its
+    two marks is host work (it drew a red stall on the no-offloading timeline of notebook 02)."""
+    n, k = 4, 2
+    model = build_linear_stack(n, 64)
+    x = torch.randn(32, 64, requires_grad=True)
+    for offloaded in (0, k):
+        ctx, sync = get_cpu_offload_context(enabled=True, num_layers=offloaded, model_layers=n)
+        training_step(model, x, ctx, sync)
+        spans = record_layer_timeline(lambda: training_step(model, x, ctx, sync), ctx)
+        waits = {s.layer for s in spans if s.name == "wait"}
+        releases = {j for kind, j in ctx.events if kind == "forward"
+                    and any(a == "release" for a, _ in ctx.schedule.actions("forward", j))}
+        assert waits <= releases, (offloaded, waits, releases)
+        assert offloaded or not waits
+
+
 def test_memory_curve_from_recorded_snapshot():
     trace = [dict(action="alloc", size=100, time_us=1000), dict(action="alloc", size=50, time_us=1500),
              dict(action="free_requested", size=100, time_us=2000),

@@ -379,9 +379,9 @@ class OffloadEngine(EngineReadouts, EngineSettings):
                 j = self._entered
                 self._move(j, LayerState.RUNNING, f"the forward of entry {j} started")
                 ready = self._mark()
-                self._run_actions("forward", j)
+                waited = self._run_actions("forward", j)
                 self.events.append(("forward", j))
-                self._note_phase("forward", j, ready)
+                self._note_phase("forward", j, ready if waited else None)
             except BaseException:
                 self._abort()  # no half-updated layer state survives a failed entry
                 raise
@@ -504,17 +504,22 @@ class OffloadEngine(EngineReadouts, EngineSettings):
             raise
         self.events.append(("reload_start", layer))
 
-    def _run_actions(self, phase: str, layer: int) -> None:
-        """What the schedule asks for when ``phase`` of ``layer`` starts."""
+    def _run_actions(self, phase: str, layer: int) -> bool:
+        """What the schedule asks for when ``phase`` of ``layer`` starts. Returns whether the compute
+        stream was made to wait: a release waits for its copy out; a reload makes the backward wait
+        only when it unpacks, inside the phase."""
+        waited = False
         for action, i in self.schedule.actions(phase, layer):
             why = f"the {action} came at the {phase} of layer {layer}"
             target = LayerState.RELEASED if action == "release" else LayerState.RELOADING
             if not self.schedule.strict and self.layer_state[i] not in ALLOWED_FROM[target]:
                 continue  # the step did not run as many layers as the schedule counts: warned at backward
+            waited = waited or action == "release"
             if action == "release":
                 self._release(i, why)
             else:
                 self._reload_layer(i, why)
+        return waited
 
     def _backward_started(self, iteration: int, layer: int) -> None:
         with self._lock:
@@ -529,9 +534,9 @@ class OffloadEngine(EngineReadouts, EngineSettings):
             self._backwards.add(layer)
             self.events.append(("backward", layer))
             ready = self._mark()
-            self._run_actions("backward", layer)
+            waited = self._run_actions("backward", layer)
             self.resident_trace.append(("backward", layer, self.resident_bytes))
-            self._note_phase("backward", layer, ready)
+            self._note_phase("backward", layer, ready if waited else None)
 
     # ------------------------------------------------------------------ autograd hooks
     def _pack(self, t: torch.Tensor) -> _Kept | _SavedView:

@@ -78,7 +78,10 @@ class EngineReadouts:
         if self.record_memory and self.streams.is_cuda:
             self.memory_trace.append((phase, layer, torch.cuda.memory_allocated(self.device)))
         if self.recorder:
-            self.recorder.add_phase(phase, layer, ready, self._mark())
+            # ``ready`` is None when the phase made the compute stream wait for nothing: the time
+            # between two marks is host work, not a stall, and no "wait" span is drawn
+            start = self._mark()
+            self.recorder.add_phase(phase, layer, start if ready is None else ready, start)
 
     def _check_iteration_shape(self) -> None:
         """At the first backward: warn (once) when the forward did not look like the schedule."""
