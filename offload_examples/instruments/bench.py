@@ -10,7 +10,11 @@ every strategy runs the same training step:
   (skipped on Transformer Engine's layers, where it crashes);
 - ``torchtune``: torchtune's ``OffloadActivations`` around the ``k`` layers, when installed;
 - ``transformer_engine``: Transformer Engine's ``get_cpu_offload_context``, when installed;
-- ``checkpoint``: recomputation (``torch.utils.checkpoint``) of the ``k`` layers instead.
+- ``checkpoint``: recomputation (``torch.utils.checkpoint``) of the ``k`` layers instead;
+- ``planner``: :func:`~offload_examples.features.planner.plan`'s choice of keep, offload or recompute
+  per layer, under two budgets per ``k``: the predicted peak of offloading the first ``k`` layers and
+  that of recomputing them (see ``_planner_budgets``). ``engine`` and ``checkpoint`` at every
+  ``k`` are its offload-only and recompute-only curves; :func:`check_planner` compares them.
 
 Each result has the peak memory, the saving against the theoretical saving (what the engine's
 schedule predicts for the same ``k`` from the bytes each layer's forward holds, measured by the CUDA
@@ -24,6 +28,7 @@ Run it::
 
     python -m offload_examples bench                     # the full grid on a GPU, tiny on a CPU
     python -m offload_examples bench --models A --ks 2 4 --out results/bench
+    python -m offload_examples bench --models A A-torch B --strategies "no offload" engine checkpoint planner
 """
 
 from __future__ import annotations
@@ -44,18 +49,21 @@ import torch
 from torch import nn
 
 from offload_examples import DefaultSchedule, get_cpu_offload_context
+from offload_examples.features.planner import KEEP, OFFLOAD, RECOMPUTE, LayerCost, LinkCost, Plan, apply_plan, plan, simulate_plan
 from offload_examples.instruments.cli import (
     ArgumentParser, add_device, check_sizes, default_device, nonnegative_int, output_folder_arg, positive_int,
 )
-from offload_examples.instruments.measure import measure_paired, measure_steps, paired_overhead
+from offload_examples.instruments.measure import measure_paired, measure_steps, paired_overhead, resident_vs_theory
 from offload_examples.instruments.memory_history import MemoryCurve, record_memory_curve
 from offload_examples.instruments.models import (
     TE_LAYER, Checkpointed, build_basic_model, has_transformer_engine, import_transformer_engine, layer_kind,
 )
+from offload_examples.instruments.plan_costs import measure_costs, measure_link
 from offload_examples.instruments.report import CPU_TIMING_NOTE, ProgressBar, format_bytes, format_markdown_table, write_json
 from offload_examples.instruments.timeline import Span, achieved_gb_per_s, per_layer_ms, record_layer_timeline
 
-__all__ = ["MODELS", "PLOTS_MISSING", "STRATEGIES", "BenchConfig", "ModelSpec", "main", "run", "write_outputs"]
+__all__ = ["MODELS", "PLOTS_MISSING", "STRATEGIES", "BenchConfig", "ModelSpec", "check_planner", "main", "run",
+           "write_outputs"]
 
 GiB = 2**30
 
@@ -65,7 +73,18 @@ PLOTS_MISSING = "install offload_examples[plots] (matplotlib) to draw the benchm
 #: Strategy names, in the order they run.
 STRATEGIES = (
     "no offload", "engine", "engine (fresh pinned)", "save_on_cpu", "torchtune", "transformer_engine", "checkpoint",
+    "planner",
 )
+
+#: The pure strategies whose budgets the planner runs under (its offload-only and recompute-only curves).
+PLANNER_BUDGETS = ("engine", "checkpoint")
+#: :func:`check_planner`'s limits: the planner's paired overhead may exceed the best pure strategy's
+#: by this much (step-to-step noise), and its predicted peak and step may miss the measured ones by this much.
+PLANNER_TIME_NOISE = 0.02
+PLANNER_PREDICTION_ERROR = 0.05
+#: Measured peaks this close (relative) count as the same: a plan equal in bytes to a pure run also has
+#: the engine's bookkeeping (1 KiB more than ``checkpoint`` on model A-torch on an H100).
+PLANNER_PEAK_NOISE = 0.001
 
 
 @dataclass(frozen=True)
@@ -87,9 +106,11 @@ class ModelSpec:
 
 
 #: The grid's models. ``A`` and ``B`` have the shapes of the measurements in the project's facts
-#: file, so figures compare directly; ``A-wide`` doubles the width (twice the compute per byte saved).
+#: file, so figures compare directly; ``A-torch`` is ``A`` with PyTorch's layer where ``A`` gets
+#: Transformer Engine's; ``A-wide`` doubles the width (twice the compute per byte saved).
 MODELS = {
     "A": ModelSpec(1024, 8, 4096, 16, note="GELU, no dropout (Transformer Engine's layer when installed)"),
+    "A-torch": ModelSpec(1024, 8, 4096, 16, kind="torch", note="model A with torch layers: GELU, no dropout"),
     "B": ModelSpec(1024, 8, 4096, 16, activation="relu", dropout=0.1, kind="torch",
                    note="nn.TransformerEncoderLayer defaults: ReLU, dropout 0.1"),
     "A-wide": ModelSpec(2048, 16, 8192, 8, note="model A at twice the width, half the batch"),
@@ -98,14 +119,14 @@ MODELS = {
 
 @dataclass
 class BenchConfig:
-    """What to run. The defaults are the full grid for an 80 GB GPU (about 9 minutes on an H100).
+    """What to run. The defaults are the full grid for an 80 GB GPU.
 
     ``steps`` pairs of steps are measured per run (after ``warmup`` pairs); the runs the targets
     are checked on (model A, ``k`` = 2 and 4, the engine) measure ``target_steps`` pairs, since
     step-to-step noise on a GPU (a few percent) is larger than the 1% some targets resolve.
     """
 
-    models: tuple[str, ...] = ("A", "B", "A-wide")
+    models: tuple[str, ...] = ("A", "A-torch", "B", "A-wide")
     ks: tuple[int, ...] = (1, 2, 3, 4, 6)
     strategies: tuple[str, ...] = STRATEGIES
     layers: int = 20
@@ -172,9 +193,18 @@ def _through(layers: Sequence[nn.Module], h: torch.Tensor, ctx: Callable[[int], 
     return h
 
 
-def make_forward(strategy: str, model: nn.ModuleList, k: int, device: torch.device) -> tuple[Forward, Any]:
-    """The forward pass of ``strategy`` treating the first ``k`` layers, and its engine (or ``None``)."""
+def make_forward(strategy: str, model: nn.ModuleList, k: int, device: torch.device,
+                 chosen: Plan | None = None) -> tuple[Forward, Any]:
+    """The forward pass of ``strategy`` treating the first ``k`` layers, and its engine (or ``None``).
+
+    ``planner`` runs the plan ``chosen`` (``k`` only names the budget it was made for).
+    """
     n = len(model)
+    if strategy == "planner":
+        if chosen is None:
+            raise ValueError("the planner strategy needs a plan")
+        ctx, sync, run_layers = apply_plan(chosen, list(model), device, retain_pinned_cpu_buffers=True)
+        return lambda x: _through(run_layers, x, lambda i: ctx, sync), ctx
     if strategy == "no offload":
         return lambda x: _through(model, x), None
     if strategy in ("engine", "engine (fresh pinned)"):
@@ -281,7 +311,7 @@ def _held_bytes(model: nn.ModuleList, x: torch.Tensor) -> list[int] | None:
 
 
 def _bench_model(name: str, config: BenchConfig, device: torch.device, link: dict | None,
-                 bar: ProgressBar, detail: bool) -> dict[str, Any]:
+                 bar: ProgressBar, detail: bool, plan_link: LinkCost | None = None) -> dict[str, Any]:
     spec = MODELS[name].small() if config.small else MODELS[name]
     dtype = getattr(torch, config.dtype)
     n = config.layers
@@ -314,6 +344,15 @@ def _bench_model(name: str, config: BenchConfig, device: torch.device, link: dic
     _free(probe)
     out["runs"].append(_result("no offload", 0, base, base, None))
     bar.advance()
+    setup: PlannerSetup | str | None = None
+    if "planner" in config.strategies:
+        bar.show(f"model {name}: the planner's costs")
+        try:
+            setup = _planner_setup(model, x, base, plan_link, config)
+            out["planner"] = setup.to_json()
+        except Exception as err:  # the planner's runs report it; the other strategies still run
+            setup = f"measuring the planner's costs failed: {type(err).__name__}: {err}"
+    planned: dict[tuple, dict[str, Any]] = {}  # plan -> its run: one measurement per distinct plan
 
     for k in config.ks:
         theory = _theoretical_saving(per_layer if held is None else held, k)
@@ -323,6 +362,18 @@ def _bench_model(name: str, config: BenchConfig, device: torch.device, link: dic
             if strategy == "no offload":
                 continue
             bar.show(f"model {name}, k={k}: {strategy}")
+            if strategy == "planner":
+                if isinstance(setup, str):
+                    out["runs"] += [{"strategy": strategy, "k": k, "status": "failed", "reason": setup,
+                                     "budget_from": source} for source in PLANNER_BUDGETS]
+                    for _ in PLANNER_BUDGETS:
+                        bar.advance()
+                    continue
+                for budget_from, budget in _planner_budgets(setup, k):
+                    out["runs"].append(_run_planner(setup, budget_from, budget, model, x, k, device, kind, steps, base,
+                                                    reference=_step(forward, x), planned=planned))
+                    bar.advance()
+                continue
             target = name == "A" and k in (2, 4) and strategy == "engine"
             run_steps = dict(steps, steps=max(config.steps, config.target_steps)) if target else steps
             out["runs"].append(_run_strategy(strategy, model, x, k, device, kind, run_steps, base, theory, bound, link,
@@ -336,13 +387,14 @@ def _bench_model(name: str, config: BenchConfig, device: torch.device, link: dic
 
 def _run_strategy(strategy: str, model: nn.ModuleList, x: torch.Tensor, k: int, device: torch.device, kind: str,
                   steps: dict, base, theory: int, bound: float | None, link: dict | None, detail: bool,
-                  out: dict[str, Any], reference: Callable[[], torch.Tensor]) -> dict[str, Any]:
+                  out: dict[str, Any], reference: Callable[[], torch.Tensor], chosen: Plan | None = None) -> dict[str, Any]:
     skipped = available(strategy, device, kind)
     if skipped:
         return {"strategy": strategy, "k": k, "status": "skipped", "reason": skipped}
     engine = None
     try:
-        forward, engine = make_forward(strategy, model, k, device)
+        # the plan goes positionally only when there is one: wrappers of make_forward take (strategy, *args)
+        forward, engine = make_forward(strategy, model, k, device, *([chosen] if chosen is not None else []))
         step = _step(forward, x)
         # steps alternate with no-offload steps: the overhead is the median of the pairs' ratios
         measured, reference_ms = measure_paired(model, x, reference, step, label=strategy, **steps)
@@ -357,6 +409,8 @@ def _run_strategy(strategy: str, model: nn.ModuleList, x: torch.Tensor, k: int, 
             # no-offload steps that ran alongside this one
             scaled = bound * result["reference_ms"] / base.median_ms if bound else None
             result.update(_copy_figures(step, engine, scaled, measured.median_ms, link, detail, out, k))
+            # the engine's count of offloaded bytes on the device, phase by phase, against its schedule
+            result["resident_matches_theory"] = all(got == want for _, _, got, want in resident_vs_theory(engine))
         return result
     except Exception as err:  # one failing strategy must not end the benchmark; its memory is freed below
         return {"strategy": strategy, "k": k, "status": "failed", "reason": f"{type(err).__name__}: {err}"}
@@ -412,6 +466,189 @@ def _predictions(n: int, fwd: list[float], bwd: list[float], per_layer: list[int
     return {"bound_ms": bounds, "copies_stop_fitting_at_k": stop}
 
 
+# ---------------------------------------------------------------------- the planner strategy
+def _plan_link(device: torch.device, link: dict[str, float] | None) -> LinkCost:
+    """The link the planner plans with: the run's pinned bandwidths on a GPU; on a CPU, where the
+    engine's copies are host memory copies, those timed once for the whole run."""
+    if link:
+        return LinkCost(link["d2h"], link["h2d"], link["both"])
+    return measure_link(device, nbytes=16 * 2**20)
+
+
+@dataclass
+class PlannerSetup:
+    """One model's planner inputs, calibrated on its no-offload run.
+
+    ``measure_costs`` times each layer between marks on the compute stream, and its base bytes are
+    what is allocated between steps. The measured step has more: the loss, launches between layers,
+    and at its peak whatever the backward has allocated by then (gradients, workspaces). So that
+    predicted and measured mean the same thing, two constants are fitted to the no-offload run,
+    which the planner then predicts exactly: every layer's times are scaled by one factor so that
+    keeping every layer predicts the measured median step, and the base bytes are the measured peak
+    minus the saved bytes that plan predicts at its peak. Every other plan's prediction is then a
+    prediction. Without a peak to fit (a CPU), the base bytes are ``measure_costs``'s.
+    """
+
+    costs: list[LayerCost]
+    link: LinkCost
+    base_bytes: int
+    keep_peak_bytes: int  # predicted peak of keeping every layer (= the no-offload peak on a GPU)
+    keep_step_ms: float  # predicted step of keeping every layer (= the no-offload median)
+    time_scale: float  # what multiplied the measured layer times
+    idle_base_bytes: int  # measure_costs's base: allocated between steps
+
+    def to_json(self) -> dict[str, Any]:
+        return {"costs": [dataclasses.asdict(c) for c in self.costs], "base_bytes": self.base_bytes,
+                "keep_peak_bytes": self.keep_peak_bytes, "keep_step_ms": self.keep_step_ms,
+                "time_scale": self.time_scale, "idle_base_bytes": self.idle_base_bytes}
+
+
+def _planner_setup(model: nn.ModuleList, x: torch.Tensor, base, link: LinkCost, config: BenchConfig) -> PlannerSetup:
+    """Measure ``model``'s costs once and calibrate them on the no-offload measurement ``base``."""
+    costs, idle = measure_costs(list(model), x, steps=max(1, min(3, config.steps)))
+    keep = (KEEP,) * len(costs)
+    saved_peak, raw_ms = simulate_plan(keep, costs, link)
+    scale = base.median_ms / raw_ms if raw_ms > 0 else 1.0
+    costs = [dataclasses.replace(c, forward_ms=c.forward_ms * scale, backward_ms=c.backward_ms * scale) for c in costs]
+    base_bytes = idle if base.peak_bytes is None else max(0, base.peak_bytes - saved_peak)
+    peak, ms = simulate_plan(keep, costs, link, base_bytes)
+    return PlannerSetup(costs, link, base_bytes, peak, ms, scale, idle)
+
+
+def _pure_plan(setup: PlannerSetup, choice, k: int) -> tuple:
+    """The choices of a pure strategy: ``choice`` for the first ``k`` layers, KEEP for the others."""
+    return (choice,) * k + (KEEP,) * (len(setup.costs) - k)
+
+
+def _planner_budgets(setup: PlannerSetup, k: int) -> list[tuple[str, int]]:
+    """The planner's budgets at ``k``, one per strategy of :data:`PLANNER_BUDGETS`: the peak the model
+    predicts for offloading (``engine``) or recomputing (``checkpoint``) the first ``k`` layers.
+
+    Predicted rather than measured peaks: the planner compares plans under its own model, so the
+    pure plan itself always fits its budget and the planner can only do as well or better there.
+    """
+    choice = {"engine": OFFLOAD, "checkpoint": RECOMPUTE}
+    return [(s, simulate_plan(_pure_plan(setup, choice[s], k), setup.costs, setup.link, setup.base_bytes)[0])
+            for s in PLANNER_BUDGETS]
+
+
+def _plan_summary(chosen: Plan) -> str:
+    """``offload 0-2, recompute 5, keep 3-4 6-9``: each choice with the layers it covers, as ranges."""
+    parts = []
+    for choice in (OFFLOAD, RECOMPUTE, KEEP):
+        layers = [i for i, c in enumerate(chosen.choices) if c is choice]
+        runs: list[list[int]] = []
+        for i in layers:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        if runs:
+            parts.append(f"{choice.value} " + " ".join(f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs))
+    return ", ".join(parts)
+
+
+def _run_planner(setup: PlannerSetup, budget_from: str, budget: int, model: nn.ModuleList, x: torch.Tensor, k: int,
+                 device: torch.device, kind: str, steps: dict, base, reference: Callable[[], torch.Tensor],
+                 planned: dict[tuple, dict[str, Any]]) -> dict[str, Any]:
+    """Plan under ``budget``, run the plan paired with no-offload steps, and compare with its prediction.
+
+    A plan already run for this model (another budget chose it too) is not measured again: its run is
+    reported under this budget as well, with ``same_run_as``.
+    """
+    chosen = plan(setup.costs, setup.link, budget, setup.base_bytes)
+    figures = {
+        "budget_from": budget_from, "budget_bytes": budget, "plan": _plan_summary(chosen),
+        "choices": [c.value for c in chosen.choices], "feasible": chosen.feasible,
+        "predicted_peak_bytes": chosen.predicted_peak_bytes, "predicted_step_ms": chosen.predicted_step_ms,
+        # as a ratio to keeping every layer: the measured overhead's counterpart
+        "predicted_overhead": chosen.predicted_step_ms / setup.keep_step_ms - 1,
+    }
+    if chosen.choices in planned:
+        first = planned[chosen.choices]
+        return {**first, **figures, "k": k, "same_run_as": {"budget_from": first["budget_from"], "k": first["k"]}}
+    theory = setup.keep_peak_bytes - chosen.predicted_peak_bytes
+    result = _run_strategy("planner", model, x, k, device, kind, steps, base, theory, None, None, False, {},
+                           reference=reference, chosen=chosen)
+    result.update(figures)
+    if result["status"] == "ok":
+        result.update(_prediction_errors(result))
+        planned[chosen.choices] = result
+    return result
+
+
+def _prediction_errors(r: dict[str, Any]) -> dict[str, float | None]:
+    """``peak_error`` and ``step_error``: measured over predicted, minus 1.
+
+    The step is compared as a ratio to the no-offload steps: the measured paired overhead against
+    the predicted overhead, so drift between the calibrating run and this one does not count as error.
+    """
+    peak = None if r["peak_bytes"] is None else r["peak_bytes"] / r["predicted_peak_bytes"] - 1
+    return {"peak_error": peak, "step_error": (1 + r["overhead"]) / (1 + r["predicted_overhead"]) - 1,
+            # the prediction at the steps it ran beside, for plotting next to the measured step
+            "predicted_step_ms_paired": r["reference_ms"] * (1 + r["predicted_overhead"])}
+
+
+def _planner_check(run: dict[str, Any], runs: list[dict[str, Any]], timed: bool) -> dict[str, Any]:
+    """One planner run against the pure runs at its budget (see :func:`check_planner`); ``timed``: whether
+    step times mean anything here (not on a CPU, whose copies are memory copies)."""
+    pure = [r for r in runs if r["strategy"] in PLANNER_BUDGETS and r["status"] == "ok"]
+    source = next((r for r in pure if r["strategy"] == run["budget_from"] and r["k"] == run["k"]), None)
+    peak = run["peak_bytes"]
+    if peak is None or source is None or source["peak_bytes"] is None:
+        rivals = [source] if source else []  # no measured peaks: the run the budget came from
+    else:
+        low, high = peak * (1 - PLANNER_PEAK_NOISE), source["peak_bytes"] * (1 + PLANNER_PEAK_NOISE)
+        rivals = [r for r in pure if r["peak_bytes"] is not None and low <= r["peak_bytes"] <= high]
+        rivals = rivals or [source]  # the planner's peak is above its budget's run: a miss, shown against that run
+    best = min(rivals, key=lambda r: r["overhead"], default=None)
+    check = {
+        "k": run["k"], "budget_from": run["budget_from"], "budget_bytes": run["budget_bytes"], "plan": run["plan"],
+        "peak_bytes": peak, "overhead": run["overhead"],
+        "best": None if best is None else {key: best[key] for key in ("strategy", "k", "peak_bytes", "overhead")},
+        "within_budget_run": None if peak is None or source is None or source["peak_bytes"] is None
+        else peak <= source["peak_bytes"] * (1 + PLANNER_PEAK_NOISE),
+        "time_met": None if best is None or not timed else run["overhead"] <= best["overhead"] + PLANNER_TIME_NOISE,
+        "peak_error": run["peak_error"], "step_error": run["step_error"],
+    }
+    for key in ("peak_error", "step_error"):
+        known = run[key] is not None and (timed or key == "peak_error")
+        check[f"{key}_met"] = abs(run[key]) <= PLANNER_PREDICTION_ERROR if known else None
+    parts = [check[key] for key in ("within_budget_run", "time_met", "peak_error_met", "step_error_met")]
+    check["met"] = None if None in parts else all(parts)
+    return check
+
+
+def check_planner(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The planner against pure offloading and pure recomputation, and its predictions against measurement.
+
+    For each model and planner run (a budget), the *rivals* are the ``engine`` and ``checkpoint`` runs
+    of that model whose measured peak is at least the planner's and at most that of the run the budget
+    came from (the pure runs that fit the same budget and use no less memory), peaks compared within
+    ``PLANNER_PEAK_NOISE``. The planner passes when
+
+    - its measured peak is at most that of the run its budget came from,
+    - its paired overhead is at most the best rival's plus ``PLANNER_TIME_NOISE``, and
+    - ``|peak_error|`` and ``|step_error|`` are at most ``PLANNER_PREDICTION_ERROR``.
+
+    On a CPU there are no measured peaks and its step times say nothing about a GPU: the rival is the
+    run the budget came from, the values are reported, and every verdict (``met`` too) is ``None``.
+    Runs that failed are reported with ``met`` False.
+    """
+    timed = results.get("device_type") == "cuda"
+    checks = []
+    for model in results["models"]:
+        for run in model["runs"]:
+            if run["strategy"] != "planner":
+                continue
+            if run["status"] != "ok":
+                checks.append({"model": model["model"], "k": run["k"], "budget_from": run.get("budget_from"),
+                               "met": False, "reason": f"{run['status']}: {run['reason']}"})
+                continue
+            checks.append({"model": model["model"], **_planner_check(run, model["runs"], timed)})
+    return checks
+
+
 def run(config: BenchConfig | None = None, device: torch.device | str | None = None,
         stream=None) -> dict[str, Any]:
     """Run the benchmark and return everything it measured (see :func:`write_outputs`)."""
@@ -420,23 +657,26 @@ def run(config: BenchConfig | None = None, device: torch.device | str | None = N
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     config = config or (BenchConfig() if device.type == "cuda" else BenchConfig.tiny())
-    runs_per_model = 1 + len(config.ks) * sum(s != "no offload" for s in config.strategies)
-    bar = ProgressBar(len(config.models) * runs_per_model, stream)
+    per_k = sum({"no offload": 0, "planner": len(PLANNER_BUDGETS)}.get(s, 1) for s in config.strategies)
+    bar = ProgressBar(len(config.models) * (1 + len(config.ks) * per_k), stream)
     bar.show("measuring the host<->device link")
     link = _link(device)
+    plan_link = _plan_link(device, link) if "planner" in config.strategies else None
     results = {
         "device_type": device.type,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "config": dataclasses.asdict(config),
         "link_gb_per_s": link,
+        "planner_link_gb_per_s": None if plan_link is None else dataclasses.asdict(plan_link),
         "skipped": {s: why for s in config.strategies if (why := available(s, device))},
         "models": [],
     }
     for i, name in enumerate(config.models):
-        results["models"].append(_bench_model(name, config, device, link, bar, detail=i == 0))
+        results["models"].append(_bench_model(name, config, device, link, bar, detail=i == 0, plan_link=plan_link))
     bar.close()
     results["targets"] = check_targets(results)
+    results["planner_checks"] = check_planner(results)
     return results
 
 
@@ -487,12 +727,13 @@ def markdown(results: dict[str, Any]) -> str:
         spec = m["spec"]
         rows = []
         for r in m["runs"]:
+            strategy = r["strategy"] + (f" ({r['budget_from']}'s budget)" if r.get("budget_from") else "")
             if r["status"] != "ok":
-                rows.append([r["k"] or "-", r["strategy"], r["status"] + ": " + r["reason"]] + [""] * 8)
+                rows.append([r["k"] or "-", strategy, r["status"] + ": " + r["reason"]] + [""] * 8)
                 continue
             bw = {key: "" if r.get(f"{key}_gb_per_s") is None else
                   f"{r[f'{key}_gb_per_s']:.1f} ({r[f'{key}_of_link']:.0%})" for key in ("d2h", "h2d")}
-            rows.append([r["k"] or "-", r["strategy"], _gib(r["peak_bytes"]), _gib(r["saving_bytes"]),
+            rows.append([r["k"] or "-", strategy, _gib(r["peak_bytes"]), _gib(r["saving_bytes"]),
                          _pct(r["saving_ratio"]), f"{r['step_ms']:.1f}", _pct(r["overhead"], True),
                          "" if r.get("bound_ms") is None else f"{r['bound_ms']:.1f}",
                          "" if r.get("step_over_bound") is None else f"{r['step_over_bound']:.3f}",
@@ -514,9 +755,38 @@ def markdown(results: dict[str, Any]) -> str:
         rows = [[t["target"], "n/a" if t["value"] is None else f"{t['value']:.3f}", t["limit"],
                  "met" if t["met"] else "**missed**", t["detail"]] for t in results["targets"]]
         parts.append("### Targets\n\n" + format_markdown_table(rows, ["target", "value", "limit", "result", "detail"]))
+    if results.get("planner_checks"):
+        parts.append(_planner_markdown(results["planner_checks"]))
     if results["skipped"]:
         parts.append("Skipped: " + "; ".join(f"{s} ({why})" for s, why in results["skipped"].items()) + ".")
     return "\n\n".join(parts) + "\n"
+
+
+def _planner_markdown(checks: list[dict[str, Any]]) -> str:
+    """The planner's checks as a Markdown section: one row per model and budget, misses in bold."""
+    def verdict(met: bool | None) -> str:
+        return "n/a" if met is None else ("met" if met else "**missed**")
+
+    rows = []
+    for c in checks:
+        if "reason" in c:
+            rows.append([c["model"], f"{c['budget_from']} k={c['k']}", c["reason"]] + [""] * 7 + [verdict(c["met"])])
+            continue
+        best = c["best"]
+        rows.append([c["model"], f"{c['budget_from']} k={c['k']}", c["plan"], _gib(c["peak_bytes"]),
+                     _pct(c["overhead"], True),
+                     "none" if best is None else f"{best['strategy']} k={best['k']}: {_gib(best['peak_bytes'])} GiB, "
+                                                 f"{best['overhead']:+.1%}",
+                     verdict(c["time_met"]), _pct(c["peak_error"], True), _pct(c["step_error"], True),
+                     verdict(c["within_budget_run"]), verdict(c["met"])])
+    header = ["model", "budget of", "plan", "peak GiB", "overhead", "best pure run at >= its peak, within budget",
+              f"overhead <= best + {PLANNER_TIME_NOISE:.0%}", "peak error", "step error", "peak <= budget's run",
+              "result"]
+    return (f"### Planner\n\nPer budget (the predicted peak of offloading, or recomputing, the first k layers): "
+            f"the plan, its measured peak and paired overhead, the fastest engine or checkpoint run whose measured "
+            f"peak is between the planner's and that of the run the budget came from, and the prediction errors "
+            f"(measured / predicted - 1, limit {PLANNER_PREDICTION_ERROR:.0%}). The planner's costs are calibrated "
+            f"on the no-offload run (see `PlannerSetup`).\n\n" + format_markdown_table(rows, header))
 
 
 def write_outputs(results: dict[str, Any], out: str | Path, plots: bool = True) -> list[Path]:
@@ -541,11 +811,15 @@ def _write_plots(results: dict[str, Any], out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from offload_examples.instruments.plots import plot_bench_memory_time, plot_bench_overhead, plot_memory_curves, plot_timeline
+    from offload_examples.instruments.plots import (
+        plot_bench_memory_time, plot_bench_overhead, plot_bench_pareto, plot_memory_curves, plot_timeline,
+    )
 
     paths = []
     figures: dict[str, Any] = {"memory_vs_time.png": plot_bench_memory_time(results),
                                "overhead_vs_k.png": plot_bench_overhead(results)}
+    if any(r["strategy"] == "planner" for m in results["models"] for r in m["runs"]):
+        figures["planner_pareto.png"] = plot_bench_pareto(results)
     first = results["models"][0]
     for label, spans in first.get("timelines", {}).items():
         if label != "no offload":

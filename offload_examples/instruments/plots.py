@@ -12,7 +12,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "plot_bench_memory_time", "plot_bench_overhead", "plot_fraction_tradeoff", "plot_memory_by_phase",
-    "plot_memory_curves", "plot_overlap", "plot_schedule", "plot_sweep", "plot_timeline", "plot_variants",
+    "plot_memory_curves", "plot_overlap", "plot_schedule", "plot_stream_timeline", "plot_sweep", "plot_timeline",
+    "plot_variants",
 ]
 
 GiB = 2**30
@@ -323,4 +324,86 @@ def plot_bench_overhead(results: Mapping[str, Any]) -> Figure:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle("Overhead vs layers treated")
+    return fig
+
+
+#: Colours of :func:`plot_stream_timeline`, one per stream role.
+STREAM_ROLE_COLORS = {
+    "compute": "#31a354", "fsdp all-gather": "#756bb1", "fsdp reduce-scatter": "#d6616b", "all-reduce": "#e7969c",
+    "engine device-to-host": "#3182bd", "engine host-to-device": "#e6550d", "other": "#969696",
+}
+
+
+def plot_stream_timeline(lanes: Sequence, ax: Axes | None = None, title: str = "") -> Axes:
+    """One lane per CUDA stream, coloured by what the stream is for.
+
+    Takes the lanes of :func:`offload_examples.instruments.timeline.stream_spans_from_trace`:
+    compute, FSDP's all-gather and reduce-scatter streams, the engine's device-to-host and
+    host-to-device streams. Each lane is labelled with its stream id and role; where an
+    all-gather bar sits above green, FSDP's prefetch ran while the GPU computed.
+    """
+    ax = _axes(ax, (11, 0.6 + 0.45 * max(len(lanes), 1)))
+    total = max((sp.end for lane in lanes for sp in lane.spans), default=1.0) or 1.0
+    for y, lane in enumerate(lanes):
+        bars = [(sp.start, max(sp.end - sp.start, 1e-3)) for sp in lane.spans]
+        ax.broken_barh(bars, (y - 0.4, 0.8), color=STREAM_ROLE_COLORS.get(lane.role, "#969696"), linewidth=0)
+    ax.set_yticks(range(len(lanes)), [lane.label for lane in lanes], fontsize=8)
+    ax.set_ylim(len(lanes) - 0.5, -0.5)
+    ax.set_xlim(0, total)
+    ax.set_xlabel("ms from the first GPU activity")
+    from matplotlib.patches import Patch
+
+    roles = list(dict.fromkeys(lane.role for lane in lanes))  # the roles present, in lane order
+    ax.legend(handles=[Patch(color=STREAM_ROLE_COLORS.get(r, "#969696"), label=r) for r in roles],
+              loc="upper right", fontsize=7, ncols=min(len(roles), 3) or 1)
+    if title:
+        ax.set_title(title)
+    return ax
+
+
+def _pareto_line(ax: Axes, points: list[tuple[float, float]], **style: Any) -> None:
+    """Points ``(ms, GiB)`` joined in order of memory, so each line reads as a memory-vs-time curve."""
+    points = sorted(set(points), key=lambda p: (p[1], p[0]))
+    if points:
+        ax.plot([p[0] for p in points], [p[1] for p in points], **style)
+
+
+def plot_bench_pareto(results: Mapping[str, Any]) -> Figure:
+    """Measured peak against step time for offload-only, recompute-only and the planner, one panel per model.
+
+    Offload-only is the bench's ``engine`` at each ``k``, recompute-only its ``checkpoint``, and the
+    planner its runs under each budget; the baseline is the star. Hollow circles are the planner's
+    predictions (the predicted step at the no-offload steps it ran beside), each joined to its
+    measurement by a thin line. Down is less memory, left is faster.
+    """
+    fig, axes = _model_panels(results, width=5.0)
+    styles = {"engine": ("offload only (engine, k layers)", "#08519c", "o"),
+              "checkpoint": ("recompute only (checkpoint, k layers)", "#969696", "v"),
+              "planner": ("planner (a budget per k)", "#e6550d", "D")}
+    for ax, model in zip(axes, results["models"]):
+        runs = [r for r in model["runs"] if r["status"] == "ok" and r.get("peak_bytes") is not None]
+        for r in runs:
+            if r["strategy"] == "no offload":
+                ax.plot(r["step_ms"], r["peak_bytes"] / GiB, "*", color="#252525", ms=10, label="no offload")
+        for strategy, (label, color, marker) in styles.items():
+            _pareto_line(ax, [(r["step_ms"], r["peak_bytes"] / GiB) for r in runs if r["strategy"] == strategy],
+                         marker=marker, color=color, ms=5, label=label)
+        planner = [r for r in runs if r["strategy"] == "planner"]
+        for r in planner:
+            measured = (r["step_ms"], r["peak_bytes"] / GiB)
+            predicted = (r["predicted_step_ms_paired"], r["predicted_peak_bytes"] / GiB)
+            ax.plot(*zip(measured, predicted), "-", color="#e6550d", lw=0.6, alpha=0.6)
+        if planner:
+            ax.plot([r["predicted_step_ms_paired"] for r in planner], [r["predicted_peak_bytes"] / GiB for r in planner],
+                    "o", mfc="none", color="#e6550d", ms=7, label="planner, predicted")
+        if not ax.lines:
+            ax.text(0.5, 0.5, "no peak memory\n(it is measured on CUDA only)", ha="center", va="center",
+                    transform=ax.transAxes)
+        ax.set_title(f"model {model['model']}")
+        ax.set_xlabel("step time (ms, median)")
+        ax.set_ylabel("peak GiB allocated")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.suptitle("Memory vs time: offload only, recompute only and the planner")
     return fig

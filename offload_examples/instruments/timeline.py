@@ -12,6 +12,11 @@ Two recorders, one kind of result (a list of :class:`Span`):
   through Kineto) and sorts every kernel and copy into the same three lanes, for any code, with
   or without the engine. There is no Nsight Systems on every GPU machine; this needs none.
 
+:func:`stream_spans_from_trace` keeps every CUDA stream of a profiler trace as a lane of its own
+and names what it is for (compute, FSDP's all-gather and reduce-scatter, the engine's two copy
+directions); :func:`prefetch_summary` measures from those lanes how long compute waited for
+FSDP's all-gathers.
+
 Overlap is then a plain interval computation (:func:`overlap_ms`), and
 :func:`offload_examples.instruments.plots.plot_timeline` draws either kind.
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import tempfile
 import time
 import warnings
@@ -32,8 +38,8 @@ if TYPE_CHECKING:
     from ..core.engine import OffloadEngine
 
 __all__ = [
-    "LANES", "Span", "StepRecorder", "achieved_gb_per_s", "overlap_ms", "per_layer_ms", "record_layer_timeline",
-    "record_timeline", "spans_from_trace",
+    "LANES", "STREAM_ROLES", "Span", "StepRecorder", "StreamLane", "achieved_gb_per_s", "overlap_ms", "per_layer_ms",
+    "prefetch_summary", "record_layer_timeline", "record_timeline", "spans_from_trace", "stream_spans_from_trace",
 ]
 
 #: The lanes, in drawing order.
@@ -228,3 +234,182 @@ def per_layer_ms(spans: Sequence[Span], n: int) -> tuple[list[float], list[float
         if s.lane == "compute" and s.name[:1] in "FB" and s.layer is not None:
             (fwd if s.name[0] == "F" else bwd)[s.layer] += s.end - s.start
     return fwd, bwd
+
+
+# ---------------------------------------------------------------------- one lane per CUDA stream
+#: What a CUDA stream is used for, in drawing order (:func:`stream_spans_from_trace`).
+STREAM_ROLES = ("compute", "fsdp all-gather", "fsdp reduce-scatter", "all-reduce", "engine device-to-host",
+                "engine host-to-device", "other")
+
+
+@dataclass(frozen=True)
+class StreamLane:
+    """Everything one CUDA stream ran during a profiled step.
+
+    Attributes
+    ----------
+    stream:
+        The stream's id in the trace (CUPTI's, the ``args.stream`` of each event).
+    role:
+        One of :data:`STREAM_ROLES`, inferred by :func:`stream_spans_from_trace`.
+    spans:
+        Its kernels and copies, in ms from the first GPU activity of the trace; each span's
+        ``lane`` is the role, so :func:`overlap_ms` works on the spans of several lanes together.
+    """
+
+    stream: int
+    role: str
+    spans: tuple[Span, ...]
+
+    @property
+    def label(self) -> str:
+        return f"stream {self.stream}: {self.role}"
+
+
+def _gpu_event(event: dict) -> str | None:
+    """``"kernel"``, ``"DtoH"``, ``"HtoD"`` or ``"DtoD"`` for GPU work; ``None`` for the rest (memsets, CPU)."""
+    cat, name = event.get("cat", ""), event.get("name", "")
+    if cat == "kernel":
+        return "kernel"
+    if cat == "gpu_memcpy":
+        return next((d for d in ("DtoH", "HtoD", "DtoD") if d in name), None)
+    return None
+
+
+def _collective(name: str) -> str | None:
+    squashed = name.lower().replace("_", "")
+    if "nccl" not in squashed:
+        return None
+    for key, role in (("allgather", "fsdp all-gather"), ("reducescatter", "fsdp reduce-scatter"),
+                      ("allreduce", "all-reduce")):
+        if key in squashed:
+            return role
+    return "other"
+
+
+def _infer_roles(work: dict[int, list[tuple[str, float, float, str]]], fsdp: bool = True) -> dict[int, str]:
+    """Each stream's role from its events, ``(kind, start, end, name)``; see :func:`stream_spans_from_trace`."""
+    roles: dict[int, str] = {}
+    for sid, events in work.items():
+        named = {r for kind, *_, name in events if kind == "kernel" and (r := _collective(name))}
+        if named:  # NCCL names its kernels: AllGather, ReduceScatter, AllReduce
+            roles[sid] = min(named, key=STREAM_ROLES.index)
+    plain = {sid: sum(e - s for kind, s, e, name in events if kind == "kernel" and not _collective(name))
+             for sid, events in work.items() if sid not in roles}
+    compute = max(plain, key=plain.__getitem__, default=None)
+    if compute is None or plain[compute] == 0:
+        return {**roles, **{sid: "other" for sid in work if sid not in roles}}
+    roles[compute] = "compute"
+    first_compute = min(s for kind, s, _, name in work[compute] if kind == "kernel" and not _collective(name))
+    for sid, events in work.items():
+        if sid in roles:
+            continue
+        kinds = {kind for kind, *_ in events}
+        if kinds == {"DtoH"}:  # the engine's streams run copies and nothing else
+            roles[sid] = "engine device-to-host"
+        elif kinds == {"HtoD"}:
+            roles[sid] = "engine host-to-device"
+        elif not fsdp:
+            roles[sid] = "other"
+        else:
+            # FSDP's own streams without a collective kernel (one rank: NCCL launches none for an
+            # in-place all-gather, and FSDP copies the gradient instead of reduce-scattering it).
+            # The all-gather copy-in of the first layer is the first GPU work of a step, before any
+            # compute kernel; the reduce-scatter stream starts only once backward has begun.
+            start = min(s for _, s, _, _ in events)
+            roles[sid] = "fsdp all-gather" if start < first_compute else "fsdp reduce-scatter"
+    return roles
+
+
+def stream_spans_from_trace(trace: dict, fsdp: bool = True) -> list[StreamLane]:
+    """One lane per CUDA stream of a ``torch.profiler`` Chrome trace, each with its inferred role.
+
+    The roles, for a step of FSDP2 or DDP with the offload engine:
+
+    - a stream that ran NCCL kernels is named after them (``AllGather``: ``fsdp all-gather``,
+      ``ReduceScatter``: ``fsdp reduce-scatter``, ``AllReduce``: ``all-reduce``);
+    - of the others, the stream with the most busy time in ordinary kernels is ``compute``;
+    - a stream that ran only device-to-host (host-to-device) copies is the engine's
+      ``engine device-to-host`` (``engine host-to-device``) stream;
+    - with ``fsdp=True``, any other stream with work is FSDP's: ``fsdp all-gather`` if its first
+      work precedes the compute stream's first kernel (the first layer's copy-in opens the step),
+      else ``fsdp reduce-scatter``. This is what one rank shows, where FSDP2 runs its copy-in on
+      the all-gather copy-in stream and, instead of a reduce-scatter, a copy on the
+      reduce-scatter stream. With ``fsdp=False`` (DDP, or no data parallelism) they are ``other``.
+
+    Memsets and host-side events are left out. Lanes come in the order of :data:`STREAM_ROLES`,
+    then by stream id.
+    """
+    work: dict[int, list[tuple[str, float, float, str]]] = {}
+    for e in trace.get("traceEvents", []):
+        if (kind := _gpu_event(e)) is not None:
+            sid = int(e.get("args", {}).get("stream", -1))
+            work.setdefault(sid, []).append((kind, e["ts"], e["ts"] + e.get("dur", 0), e.get("name", "")))
+    if not work:
+        return []
+    roles = _infer_roles(work, fsdp)
+    t0 = min(s for events in work.values() for _, s, _, _ in events)
+    lanes = [StreamLane(sid, roles[sid], tuple(sorted((Span(roles[sid], (s - t0) / 1e3, (e - t0) / 1e3, n)
+                                                         for _, s, e, n in events), key=lambda sp: sp.start)))
+             for sid, events in work.items()]
+    return sorted(lanes, key=lambda lane: (STREAM_ROLES.index(lane.role), lane.stream))
+
+
+def _bursts(spans: Sequence[Span], gap_ms: float) -> list[tuple[float, float]]:
+    """Intervals of ``spans`` merged where less than ``gap_ms`` separates them."""
+    out: list[tuple[float, float]] = []
+    for s, e in _merge([(sp.start, sp.end) for sp in spans]):
+        if out and s - out[-1][1] < gap_ms:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def _compute_waited(burst: tuple[float, float], compute: Sequence[tuple[float, float]], resume_ms: float) -> float:
+    """How long the compute stream sat idle waiting for ``burst``: 0 unless it resumed right after it."""
+    start, end = burst
+    before = [c for c in compute if c[0] < end]
+    if before and before[-1][1] >= end:
+        return 0.0  # compute was busy when the all-gather ended: it did not wait for it
+    after = next((c for c in compute if c[0] >= end), None)
+    if after is None or after[0] - end > resume_ms:
+        return 0.0  # compute resumed later, for another reason (a copy, the host)
+    idle_from = before[-1][1] if before else start
+    return end - max(idle_from, start)
+
+
+def prefetch_summary(lanes: Sequence[StreamLane], gap_ms: float = 0.005,
+                     resume_ms: float = 0.05) -> dict[str, float | int | None]:
+    """How FSDP's all-gathers ran in one profiled step, from :func:`stream_spans_from_trace`.
+
+    The work of every ``fsdp all-gather`` stream is merged into bursts: intervals less than
+    ``gap_ms`` apart are one burst. The default is a few microseconds, the gap between kernels
+    queued back to back: one unit's copy-in kernels form one burst, while the next unit's
+    copy-in, which FSDP2 starts only after this unit's copy-out on the compute stream, is a
+    burst of its own. On several GPUs a unit's copy-in and its NCCL kernel may count as two
+    bursts; both runs of a comparison are counted alike.
+
+    Returns
+    -------
+    dict
+        ``bursts``: how many; ``median_ms``: the median burst duration (``None`` without bursts);
+        ``busy_ms``: the all-gather streams' busy time; ``exposed_ms``: the part of it during
+        which no compute kernel ran; ``compute_waited_ms``: over every burst after which the
+        compute stream resumed within ``resume_ms``, the time it had sat idle before the burst
+        ended (from its last kernel, or from the burst's start if later). That is the time
+        compute waited for all-gathers: a prefetch that finishes in time adds nothing.
+    """
+    spans = [sp for lane in lanes for sp in lane.spans]
+    gathers = [sp for sp in spans if sp.lane == "fsdp all-gather"]
+    bursts = _bursts(gathers, gap_ms)
+    compute = _merge([(sp.start, sp.end) for sp in spans if sp.lane == "compute"])
+    busy, hidden = overlap_ms(spans, "fsdp all-gather")
+    durations = sorted(e - s for s, e in bursts)
+    return {
+        "bursts": len(bursts),
+        "median_ms": round(statistics.median(durations), 4) if durations else None,
+        "busy_ms": round(busy, 4),
+        "exposed_ms": round(busy - hidden, 4),
+        "compute_waited_ms": round(sum(_compute_waited(b, compute, resume_ms) for b in bursts), 4),
+    }

@@ -53,7 +53,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
 import torch
 import torch.distributed as dist
@@ -64,13 +64,23 @@ from offload_examples.instruments.cli import add_device, default_device, nonnega
 from offload_examples.instruments.measure import deterministic_kernels, resident_vs_theory
 from offload_examples.instruments.models import Checkpointed, build_basic_model
 from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table
-from offload_examples.instruments.timeline import Span, overlap_ms
+from offload_examples.instruments.timeline import (
+    Span,
+    StreamLane,
+    overlap_ms,
+    prefetch_summary,
+    stream_spans_from_trace,
+)
 from offload_examples.scenarios.cli import Placement, free_port, rank_results, report_header, scenario_main, spawn_ranks
 from offload_examples.scenarios.sizes import ScenarioConfig, Timing, TransformerSize
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 __all__ = [
-    "CHECK_STEPS", "FsdpConfig", "Launch", "OffloadedStack", "build_model", "default_world", "format_report", "main", "run",
-    "stream_activity", "under_torchrun",
+    "CHECK_STEPS", "FsdpConfig", "Launch", "OffloadedStack", "build_model", "default_world", "format_report", "main",
+    "prefetch_comparison", "run", "stream_activity", "timeline_figure", "timeline_figure_from_traces", "trace_paths",
+    "under_torchrun",
 ]
 
 Wrap = Literal["fsdp", "ddp"]
@@ -319,10 +329,12 @@ def _run_case(config: FsdpConfig, device: torch.device, x: torch.Tensor, offload
             stats=stats, theory=engine.theoretical(), resident=resident_vs_theory(engine),
             host_pinned_bytes=engine.pool.peak_bytes, iterations=engine.iteration + 1,
         )
-        if cuda:
-            optimizer.zero_grad(set_to_none=True)
-            out["streams"], out["copy_overlap_ms"] = stream_activity(_profile(lambda: (forward_backward(), optimizer.step()),
-                                                                              trace_path))
+    if cuda:  # one more step under the profiler, in both runs: the prefetch comparison needs the two
+        optimizer.zero_grad(set_to_none=True)
+        trace = _profile(lambda: (forward_backward(), optimizer.step()), trace_path)
+        out["lanes"] = stream_spans_from_trace(trace, fsdp=config.wrap == "fsdp")
+        if engine is not None:
+            out["streams"], out["copy_overlap_ms"] = stream_activity(trace)
     if config.cpu_params:  # what FSDP keeps in (pinned) host memory: this rank's shards and their gradients
         out["host_param_bytes"] = sum(_local(t).nbytes for p in stack.parameters() for t in (p, p.grad) if t is not None)
     return out  # the model, its optimizer and the engine go with this frame
@@ -341,11 +353,11 @@ def _run_rank(rank: int, config: FsdpConfig, device: torch.device, verbose: bool
     say = (lambda s: print(f"  rank {rank} {s}", flush=True)) if verbose and rank == 0 else (lambda s: None)
     gen = torch.Generator().manual_seed(config.seed + 1 + rank)  # each rank its own batch
     x = torch.randn(config.batch, config.seq, config.hidden, generator=gen, dtype=getattr(torch, config.dtype)).to(device)
-    trace = Path(trace_dir, f"fsdp_trace_rank{rank}.json") if trace_dir else None
-    base = _run_case(config, device, x, False, say, None)
+    without, with_ = trace_paths(trace_dir, rank) if trace_dir else (None, None)
+    base = _run_case(config, device, x, False, say, without)
     _free(device)
     dist.barrier()
-    off = _run_case(config, device, x, True, say, trace)
+    off = _run_case(config, device, x, True, say, with_)
     _free(device)
     grads_equal, grad_diff = _compare(base["grads"], off["grads"])
     params_equal, param_diff = _compare(base["params"], off["params"])
@@ -379,8 +391,89 @@ def _run_rank(rank: int, config: FsdpConfig, device: torch.device, verbose: bool
         saving = base["activation_peak_bytes"] - off["activation_peak_bytes"]
         out.update(saving_bytes=saving, saving_ratio=saving / theory.saving if theory.saving else None)
     if "streams" in off:
-        out.update(streams=off["streams"], copy_overlap_ms=off["copy_overlap_ms"])
+        out.update(streams=off["streams"], copy_overlap_ms=off["copy_overlap_ms"],
+                   stream_roles={str(lane.stream): lane.role for lane in off["lanes"]})
+    out.update(_timeline_results(config, base.get("lanes"), off.get("lanes"), trace_dir, rank))
     return out
+
+
+def _timeline_results(config: FsdpConfig, without: list[StreamLane] | None, with_: list[StreamLane] | None,
+                      trace_dir: str | None, rank: int) -> dict[str, Any]:
+    """The prefetch comparison and the picture, or ``None`` for each with the reason."""
+    out: dict[str, Any] = {"prefetch": None, "prefetch_note": None, "timeline_png": None, "timeline_note": None}
+    if without is None or with_ is None:
+        out["prefetch_note"] = out["timeline_note"] = "no CUDA profiler trace (CPU ranks, gloo)"
+        return out
+    if config.wrap == "fsdp":
+        out["prefetch"] = prefetch_comparison(without, with_)
+    else:
+        out["prefetch_note"] = "DDP gathers no parameters: no prefetch to measure"
+    if trace_dir is None:
+        out["timeline_note"] = "no trace_dir given: no picture written"
+        return out
+    try:
+        fig = timeline_figure({"without offloading": without, "with offloading": with_},
+                              title=f"rank {rank}: one profiled step, per CUDA stream")
+    except ImportError:
+        out["timeline_note"] = "matplotlib is not installed (the plots extra): no picture"
+        return out
+    path = Path(trace_dir, f"fsdp_timeline_rank{rank}.png")
+    fig.savefig(path, dpi=120)
+    out["timeline_png"] = str(path)
+    return out
+
+
+def trace_paths(trace_dir: str | os.PathLike, rank: int = 0) -> tuple[Path, Path]:
+    """Where a rank writes its Chrome traces of one profiled step: without and with offloading."""
+    return Path(trace_dir, f"fsdp_trace_no_offload_rank{rank}.json"), Path(trace_dir, f"fsdp_trace_rank{rank}.json")
+
+
+def prefetch_comparison(without: list[StreamLane], with_: list[StreamLane]) -> dict[str, Any]:
+    """Whether the engine's copies delay FSDP's all-gathers: one profiled step without and one with offloading.
+
+    Both steps are summarised by :func:`~offload_examples.instruments.timeline.prefetch_summary`.
+    Two differences answer the question:
+
+    - ``median_delay_ms``: the median all-gather (copy-in and collective of one FSDP unit) with
+      offloading minus without. Positive when the copies slow the all-gathers down, by sharing
+      memory bandwidth or copy engines with them.
+    - ``wait_delay_ms``: the time the compute stream waited for all-gathers, with minus without.
+      Positive when prefetches finish later than compute needs them, for instance because the
+      host, held up by the engine, issued them late. A prefetch that still finishes in time adds
+      nothing here even if it is slower.
+    """
+    a, b = prefetch_summary(without), prefetch_summary(with_)
+    median = None if a["median_ms"] is None or b["median_ms"] is None else round(b["median_ms"] - a["median_ms"], 4)
+    return {"no_offload": a, "offload": b, "median_delay_ms": median,
+            "wait_delay_ms": round(b["compute_waited_ms"] - a["compute_waited_ms"], 4)}
+
+
+def timeline_figure(runs: dict[str, list[StreamLane]], title: str = "") -> Figure:
+    """A matplotlib figure: one panel per run (its stream lanes), on one time axis.
+
+    ``runs`` maps a label to :func:`~offload_examples.instruments.timeline.stream_spans_from_trace`'s
+    lanes. Needs matplotlib (the ``plots`` extra); uses no pyplot, so it draws in any process.
+    """
+    from matplotlib.figure import Figure
+
+    from offload_examples.instruments.plots import plot_stream_timeline
+
+    heights = [max(len(lanes), 1) for lanes in runs.values()]
+    fig = Figure(figsize=(12, 1.2 * len(runs) + 0.45 * sum(heights)), layout="constrained")
+    axes = fig.subplots(len(runs), 1, sharex=True, squeeze=False, gridspec_kw={"height_ratios": heights})[:, 0]
+    for ax, (label, lanes) in zip(axes, runs.items()):
+        plot_stream_timeline(lanes, ax=ax, title=label)
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+def timeline_figure_from_traces(trace_dir: str | os.PathLike, rank: int = 0, wrap: Wrap = "fsdp") -> Figure:
+    """:func:`timeline_figure` of the two traces a run with ``trace_dir`` wrote for ``rank`` (for a notebook)."""
+    without, with_ = (stream_spans_from_trace(json.loads(p.read_text()), fsdp=wrap == "fsdp")
+                      for p in trace_paths(trace_dir, rank))
+    return timeline_figure({"without offloading": without, "with offloading": with_},
+                           title=f"rank {rank}: one profiled step, per CUDA stream")
 
 
 def _init(backend: str, rank: int, world: int, device: torch.device) -> None:
@@ -432,7 +525,9 @@ def run(config: FsdpConfig | None = None, launch: Launch | None = None,
     progress:
         Called with progress lines (rank 0's; spawned ranks print them themselves when it is set).
     trace_dir:
-        On CUDA, a folder for each rank's Chrome trace of one profiled step with offloading.
+        On CUDA, a folder for each rank's Chrome traces of one profiled step without and with
+        offloading (:func:`trace_paths`) and, with matplotlib, its picture of both, one lane per
+        CUDA stream (``fsdp_timeline_rank0.png``, :func:`timeline_figure`).
     timeout_s:
         Spawned ranks that have not finished by then are stopped, and :class:`TimeoutError` is raised.
 
@@ -513,14 +608,37 @@ def format_report(report: dict[str, Any]) -> str:
                 "max |diff|"))
     lines = [head, memory, "", timing]
     if ranks and ranks[0].get("streams"):
+        roles = ranks[0].get("stream_roles", {})
         lines += ["", "rank 0, one step with offloading: busy time per CUDA stream"]
         lines.append(format_table(
-            [(s["stream"], ", ".join(f"{k} {ms:.2f} ms" for k, ms in s["busy_ms"].items())) for s in ranks[0]["streams"]],
-            header=("stream", "work")))
+            [(s["stream"], roles.get(str(s["stream"]), "?"),
+              ", ".join(f"{k} {ms:.2f} ms" for k, ms in s["busy_ms"].items())) for s in ranks[0]["streams"]],
+            header=("stream", "role", "work")))
         for lane, (busy, hidden) in ranks[0]["copy_overlap_ms"].items():
             if busy:
                 lines.append(f"{lane} copies: {busy:.2f} ms, {hidden / busy:.0%} of it under compute kernels")
+    if ranks:
+        lines += _prefetch_lines(ranks[0])
     return "\n".join(lines + cpu_timing_note(report))
+
+
+def _prefetch_lines(r: dict[str, Any]) -> list[str]:
+    """Rank 0's all-gathers without and with offloading, and where its picture went."""
+    p = r.get("prefetch")
+    lines = [""]
+    if p is None:
+        lines.append(f"FSDP prefetch: not measured ({r.get('prefetch_note') or 'no trace'})")
+    else:
+        a, b = p["no_offload"], p["offload"]
+        lines.append(format_table(
+            [(label, x["bursts"], _ms(x["median_ms"]), f"{x['exposed_ms']:.2f} ms", f"{x['compute_waited_ms']:.2f} ms")
+             for label, x in (("without offloading", a), ("with offloading", b))],
+            header=("rank 0, FSDP all-gathers in one step", "count", "median", "not under compute",
+                    "compute waited for them")))
+        median = "n/a" if p["median_delay_ms"] is None else f"{p['median_delay_ms']:+.3f} ms"
+        lines.append(f"delay from offloading: median all-gather {median}, compute's wait {p['wait_delay_ms']:+.3f} ms")
+    lines.append(f"timeline picture: {r.get('timeline_png') or r.get('timeline_note') or 'none'}")
+    return lines
 
 
 # ---------------------------------------------------------------------------- the command line
