@@ -512,6 +512,44 @@ def test_autocast_weight_casts_seen_through_a_transpose_stay():
     assert 0 < ctx.stats[1].offloaded_bytes < weight_cast, ctx.stats[1]
 
 
+def test_a_weight_an_op_returns_on_its_parameters_memory_stays():
+    """Transformer Engine's fused QKV weight: a custom Function hands back three parameters that sit
+    side by side in one buffer as one new tensor on that memory (no copy, not a view). The layer saves
+    it; the parameters hold it anyway, so it stays (a copy freed nothing and its reload duplicated the
+    weight: the pipeline scenario's TE layer fell 18 MiB short of its theory on the H100)."""
+
+    class NoopCat(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *weights):
+            first = weights[0]
+            rows = sum(w.shape[0] for w in weights)
+            return torch.empty(0, dtype=first.dtype).set_(first.untyped_storage(), 0, (rows, first.shape[1]))
+
+        @staticmethod
+        def backward(ctx, g):
+            return tuple(g.split(g.shape[0] // 3))
+
+    class FusedQkv(torch.nn.Module):
+        def __init__(self, width: int):
+            super().__init__()
+            buffer = torch.randn(3 * width, width) / width**0.5
+            self.q, self.k, self.v = (torch.nn.Parameter(part) for part in buffer.split(width))
+
+        def forward(self, x):
+            return torch.tanh(torch.nn.functional.linear(x, NoopCat.apply(self.q, self.k, self.v)))
+
+    width = 64
+    model = torch.nn.ModuleList(torch.nn.Sequential(FusedQkv(width), torch.nn.Linear(3 * width, width)) for _ in range(3))
+    x = torch.randn(32, width, requires_grad=True)
+    assert model[0][0].q.untyped_storage().data_ptr() == model[0][0].v.untyped_storage().data_ptr()
+    expected = run(model, x)
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=2, model_layers=3, device="cpu", min_offload_bytes=0)
+    assert same(expected, run(model, x, ctx, sync))
+    fused_weight = 3 * width * width * 4
+    activations = 32 * 3 * width * 4  # the tanh output the layer saves (the Linear saves it as its input)
+    assert ctx.stats[0].offloaded_bytes == activations, (ctx.stats[0], fused_weight)
+
+
 def test_a_layer_output_that_views_a_custom_function_buffer_is_offloaded():
     """A custom Function returning a view of its own padded buffer (flash-attention style): the
     output is made by autograd, so the layers that save it offload it."""

@@ -3,8 +3,8 @@
 A tensor saved for backward is worth copying to the host only if dropping the engine's reference
 gives its GPU memory back. That is not so for
 
-- parameters, leaves that require grad, their views, and autocast's casts of them (the model or
-  autocast's cache holds them anyway);
+- parameters, leaves that require grad, their views, autocast's casts of them, and what an op
+  returns on their own memory (the model or autocast's cache holds them anyway);
 - tensors marked with :func:`mark_not_offload`, on another device, or too small to pay for a copy;
 - tensor subclasses, sparse, quantized, conjugated or negated views (kept, with a warning for
   subclasses);
@@ -65,13 +65,18 @@ def is_weight_like(t: torch.Tensor) -> bool:
     fn = t.grad_fn
     if fn is None:
         return False
-    # autocast saves `weight.to(bf16)`: one input, an AccumulateGrad node (it carries `.variable`),
-    # same shape, another dtype.
     inputs = [f for f, _ in fn.next_functions if f is not None]
-    if len(inputs) != 1 or not hasattr(inputs[0], "variable"):
+    leaves = [f.variable for f in inputs if hasattr(f, "variable")]  # AccumulateGrad nodes carry `.variable`
+    # An op that hands back its weights' own memory as a new tensor: Transformer Engine's fused QKV
+    # weight, a "no-op cat" of three parameters that sit side by side in one buffer. The parameters
+    # keep that memory; a copy would free nothing, and its reload would duplicate the weight.
+    storage = t.untyped_storage().data_ptr()
+    if any(leaf.untyped_storage().data_ptr() == storage for leaf in leaves):
+        return True
+    # autocast saves `weight.to(bf16)`: one input, a leaf, same shape, another dtype.
+    if len(inputs) != 1 or not leaves:
         return False
-    leaf = inputs[0].variable
-    return leaf.shape == t.shape and leaf.dtype != t.dtype
+    return leaves[0].shape == t.shape and leaves[0].dtype != t.dtype
 
 
 def keep_reason(t: torch.Tensor, device: torch.device, min_bytes: int) -> str | None:
