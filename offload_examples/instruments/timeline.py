@@ -399,6 +399,9 @@ def prefetch_summary(lanes: Sequence[StreamLane], gap_ms: float = 0.005,
         compute stream resumed within ``resume_ms``, the time it had sat idle before the burst
         ended (from its last kernel, or from the burst's start if later). That is the time
         compute waited for all-gathers: a prefetch that finishes in time adds nothing.
+        ``local_copy_ms``: device-to-device copies on the compute stream. With one rank FSDP2
+        launches no all-gather stream work at all (seen on an H100 with torch 2.11): it gathers
+        with a copy in GPU memory on the compute stream, and this is that copy's time.
     """
     spans = [sp for lane in lanes for sp in lane.spans]
     gathers = [sp for sp in spans if sp.lane == "fsdp all-gather"]
@@ -412,4 +415,9 @@ def prefetch_summary(lanes: Sequence[StreamLane], gap_ms: float = 0.005,
         "busy_ms": round(busy, 4),
         "exposed_ms": round(busy - hidden, 4),
         "compute_waited_ms": round(sum(_compute_waited(b, compute, resume_ms) for b in bursts), 4),
+        "local_copy_ms": round(sum(sp.end - sp.start for sp in spans if sp.lane == "compute" and _is_dtod(sp.name)), 4),
     }
+
+
+def _is_dtod(name: str) -> bool:
+    return "DtoD" in name or "Device -> Device" in name

@@ -441,11 +441,19 @@ def prefetch_comparison(without: list[StreamLane], with_: list[StreamLane]) -> d
       Positive when prefetches finish later than compute needs them, for instance because the
       host, held up by the engine, issued them late. A prefetch that still finishes in time adds
       nothing here even if it is slower.
+
+    With one rank there is no all-gather stream to delay: FSDP2 gathers with a device-to-device
+    copy on the compute stream. ``note`` then says so, and ``local_copy_delay_ms`` (that copy's
+    time per step, with minus without) is what the engine's copies could have slowed.
     """
     a, b = prefetch_summary(without), prefetch_summary(with_)
     median = None if a["median_ms"] is None or b["median_ms"] is None else round(b["median_ms"] - a["median_ms"], 4)
+    note = None if a["bursts"] or b["bursts"] else (
+        "no all-gather stream ran: with one rank FSDP2 gathers by a device-to-device copy on the compute "
+        "stream, so no prefetch overlaps anything; that copy's time is compared instead")
     return {"no_offload": a, "offload": b, "median_delay_ms": median,
-            "wait_delay_ms": round(b["compute_waited_ms"] - a["compute_waited_ms"], 4)}
+            "wait_delay_ms": round(b["compute_waited_ms"] - a["compute_waited_ms"], 4),
+            "local_copy_delay_ms": round(b["local_copy_ms"] - a["local_copy_ms"], 4), "note": note}
 
 
 def timeline_figure(runs: dict[str, list[StreamLane]], title: str = "") -> Figure:
@@ -628,6 +636,10 @@ def _prefetch_lines(r: dict[str, Any]) -> list[str]:
     lines = [""]
     if p is None:
         lines.append(f"FSDP prefetch: not measured ({r.get('prefetch_note') or 'no trace'})")
+    elif p.get("note"):
+        a, b = p["no_offload"], p["offload"]
+        lines.append(f"FSDP prefetch: {p['note']}: {a['local_copy_ms']:.2f} ms without offloading, "
+                     f"{b['local_copy_ms']:.2f} ms with ({p['local_copy_delay_ms']:+.3f} ms)")
     else:
         a, b = p["no_offload"], p["offload"]
         lines.append(format_table(
