@@ -515,8 +515,8 @@ def test_autocast_weight_casts_seen_through_a_transpose_stay():
 def test_a_weight_an_op_returns_on_its_parameters_memory_stays():
     """Transformer Engine's fused QKV weight: a custom Function hands back three parameters that sit
     side by side in one buffer as one new tensor on that memory (no copy, not a view). The layer saves
-    it; the parameters hold it anyway, so it stays (a copy freed nothing and its reload duplicated the
-    weight: the pipeline scenario's TE layer fell 18 MiB short of its theory on the H100)."""
+    it; the parameters hold it anyway, so it stays (a copy would free nothing, and its reload would
+    duplicate the weight)."""
 
     class NoopCat(torch.autograd.Function):
         @staticmethod
@@ -548,6 +548,35 @@ def test_a_weight_an_op_returns_on_its_parameters_memory_stays():
     fused_weight = 3 * width * width * 4
     activations = 32 * 3 * width * 4  # the tanh output the layer saves (the Linear saves it as its input)
     assert ctx.stats[0].offloaded_bytes == activations, (ctx.stats[0], fused_weight)
+
+
+@pytest.mark.parametrize("module_keeps_it", [True, False])
+def test_a_tensor_made_from_parameters_only_is_copied_only_when_nothing_else_holds_it(module_keeps_it):
+    """Transformer Engine concatenates its three QKV weights into a new tensor in every forward and
+    saves it. When the module also keeps that tensor (as a cache does), a copy frees nothing and a
+    reload duplicates it: it stays. When nothing else holds it, it is an activation like any other."""
+
+    class FusedQkv(torch.nn.Module):
+        def __init__(self, width: int):
+            super().__init__()
+            self.q, self.k, self.v = (torch.nn.Parameter(torch.randn(width, width) / width**0.5) for _ in range(3))
+            self.cache = None
+
+        def forward(self, x):
+            weight = torch.cat([self.q, self.k, self.v])
+            if module_keeps_it:
+                self.cache = weight
+            return torch.tanh(torch.nn.functional.linear(x, weight))
+
+    width = 64
+    model = torch.nn.ModuleList(torch.nn.Sequential(FusedQkv(width), torch.nn.Linear(3 * width, width)) for _ in range(3))
+    x = torch.randn(32, width, requires_grad=True)
+    expected = run(model, x)
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=2, model_layers=3, device="cpu", min_offload_bytes=0)
+    assert same(expected, run(model, x, ctx, sync))
+    fused_weight, activations = 3 * width * width * 4, 32 * 3 * width * 4
+    expected_bytes = activations if module_keeps_it else activations + fused_weight
+    assert ctx.stats[0].offloaded_bytes == ctx.stats[0].candidate_bytes == expected_bytes, ctx.stats[0]
 
 
 def test_a_layer_output_that_views_a_custom_function_buffer_is_offloaded():
