@@ -550,35 +550,6 @@ def test_a_weight_an_op_returns_on_its_parameters_memory_stays():
     assert ctx.stats[0].offloaded_bytes == activations, (ctx.stats[0], fused_weight)
 
 
-@pytest.mark.parametrize("module_keeps_it", [True, False])
-def test_a_tensor_made_from_parameters_only_is_copied_only_when_nothing_else_holds_it(module_keeps_it):
-    """Transformer Engine concatenates its three QKV weights into a new tensor in every forward and
-    saves it. When the module also keeps that tensor (as a cache does), a copy frees nothing and a
-    reload duplicates it: it stays. When nothing else holds it, it is an activation like any other."""
-
-    class FusedQkv(torch.nn.Module):
-        def __init__(self, width: int):
-            super().__init__()
-            self.q, self.k, self.v = (torch.nn.Parameter(torch.randn(width, width) / width**0.5) for _ in range(3))
-            self.cache = None
-
-        def forward(self, x):
-            weight = torch.cat([self.q, self.k, self.v])
-            if module_keeps_it:
-                self.cache = weight
-            return torch.tanh(torch.nn.functional.linear(x, weight))
-
-    width = 64
-    model = torch.nn.ModuleList(torch.nn.Sequential(FusedQkv(width), torch.nn.Linear(3 * width, width)) for _ in range(3))
-    x = torch.randn(32, width, requires_grad=True)
-    expected = run(model, x)
-    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=2, model_layers=3, device="cpu", min_offload_bytes=0)
-    assert same(expected, run(model, x, ctx, sync))
-    fused_weight, activations = 3 * width * width * 4, 32 * 3 * width * 4
-    expected_bytes = activations if module_keeps_it else activations + fused_weight
-    assert ctx.stats[0].offloaded_bytes == ctx.stats[0].candidate_bytes == expected_bytes, ctx.stats[0]
-
-
 def test_a_layer_output_that_views_a_custom_function_buffer_is_offloaded():
     """A custom Function returning a view of its own padded buffer (flash-attention style): the
     output is made by autograd, so the layers that save it offload it."""

@@ -13,12 +13,11 @@ gives its GPU memory back. That is not so for
 
 The last kind cannot be recognised from autograd's metadata alone: inside a custom
 ``autograd.Function.forward`` (Transformer Engine's modules, fused kernels) *every* intermediate
-looks like caller data (no ``grad_fn``, no ``requires_grad``), and a tensor made from parameters
-only (Transformer Engine's fused QKV weight, a concatenation of three parameters) is often kept
-by its module as well. So such tensors are :data:`NOT_FROM_AUTOGRAD`: the engine postpones
-their copy to the end of the layer's forward and then asks the storage itself how many
-references it has (:func:`held_elsewhere`). An intermediate of a finished ``forward`` is
-referenced only by what autograd saved; data something else holds has one more holder, and stays.
+looks like caller data (no ``grad_fn``, no ``requires_grad``). So such tensors are
+:data:`NOT_FROM_AUTOGRAD`: the engine postpones their copy to the end of the layer's forward
+and then asks the storage itself how many references it has (:func:`held_elsewhere`). An
+intermediate of a finished ``forward`` is referenced only by what autograd saved; caller data
+has one more holder, and stays.
 """
 
 from __future__ import annotations
@@ -33,9 +32,8 @@ __all__ = ["NOT_FROM_AUTOGRAD", "OUTSIDE_SELECTION", "KeptTensor", "ModuleSelect
            "mark_not_offload"]
 
 _KEEP_ATTR = "_offload_examples_keep"
-#: :func:`keep_reason`'s answer for tensors decided at the end of the layer (see the module docstring):
-#: made inside a custom Function, or made from parameters only.
-NOT_FROM_AUTOGRAD = "not known to be an activation: decided at the end of the layer"
+#: :func:`keep_reason`'s answer for tensors decided at the end of the layer (see the module docstring).
+NOT_FROM_AUTOGRAD = "not made by autograd: decided at the end of the layer"
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
@@ -96,18 +94,9 @@ def keep_reason(t: torch.Tensor, device: torch.device, min_bytes: int) -> str | 
     nbytes = t.untyped_storage().nbytes()
     if nbytes == 0 or nbytes < min_bytes:
         return "smaller than min_offload_bytes"
-    if _from_weights_only(t if t._base is None else t._base):
-        return NOT_FROM_AUTOGRAD
     if _from_autograd(t) or (t._base is not None and _from_autograd(t._base)):
         return None
     return NOT_FROM_AUTOGRAD
-
-
-def _from_weights_only(x: torch.Tensor) -> bool:
-    """Made by one op from parameters only: a per-step copy of weights that its module may keep."""
-    fn = x.grad_fn
-    inputs = [f for f, _ in fn.next_functions if f is not None] if fn is not None else []
-    return bool(inputs) and all(isinstance(getattr(f, "variable", None), torch.nn.Parameter) for f in inputs)
 
 
 def _from_autograd(x: torch.Tensor) -> bool:
