@@ -13,6 +13,7 @@ import math
 import re
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -306,3 +307,31 @@ def test_measured_costs_match_what_each_layer_saves_and_takes_in():
     assert all(c.forward_ms > 0 and c.backward_ms > 0 for c in costs) and base == 0
     link = measure_link("cpu", nbytes=2**20)
     assert link.d2h_gb_per_s > 0 and link.h2d_gb_per_s == link.d2h_gb_per_s
+
+
+def test_a_bare_cuda_device_means_the_current_one(monkeypatch):
+    """``torch.device("cuda")`` is not ``cuda:0``: an engine built with it compared every saved tensor
+    with a device none of them is on and kept them all (notebook 07 on the H100: offloading freed nothing)."""
+    from offload_examples.core.streams import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert resolve_device("cuda") == torch.device("cuda", 3)
+    assert resolve_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.gpu
+def test_apply_plan_on_a_bare_cuda_device_offloads():
+    from offload_examples.features.planner import apply_plan
+
+    layers = [torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh()).cuda() for _ in range(3)]
+    x = torch.randn(64, 256, device="cuda", requires_grad=True)
+    ctx, sync, run_layers = apply_plan(Plan((OFFLOAD, KEEP, KEEP), 0, 0.0), layers, device="cuda")
+    h = x
+    for layer in run_layers:
+        with ctx:
+            h = layer(h)
+        h = sync(h)
+    h.sum().backward()
+    assert ctx.device == torch.device("cuda", torch.cuda.current_device())
+    assert ctx.stats[0].offloaded_bytes > 0

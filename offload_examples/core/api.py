@@ -11,6 +11,7 @@ import torch
 from .engine import OffloadEngine
 from .synchronizer import OffloadSynchronizer
 from .schedule import DefaultSchedule, SyncDictSchedule
+from .streams import resolve_device
 
 __all__ = ["get_cpu_offload_context"]
 
@@ -149,11 +150,7 @@ def get_cpu_offload_context(
         schedule = SyncDictSchedule(synchronization_dict, model_layers)
     else:
         schedule = DefaultSchedule(num_layers, model_layers)
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = resolve_device(device)
     engine = OffloadEngine(
         schedule,
         device=device,

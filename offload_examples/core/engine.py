@@ -65,7 +65,7 @@ from .settings import EngineSettings
 from .policy import (NOT_FROM_AUTOGRAD, OUTSIDE_SELECTION, KeptTensor as _Kept, ModuleSelection, held_elsewhere,
                      keep_reason, mark_not_offload)
 from .schedule import DefaultSchedule, ManualSchedule, SyncDictSchedule
-from .streams import Streams
+from .streams import Streams, resolve_device
 from .synchronizer import OffloadSynchronizer
 
 __all__ = [
@@ -264,7 +264,7 @@ class OffloadEngine(EngineReadouts, EngineSettings):
         self.model_layers = schedule.model_layers
         #: Start offloads, releases and reloads by hand (TE's ``ManualOffloadSynchronizer`` API).
         self.synchronizer = OffloadSynchronizer(self)
-        self.device = device
+        self.device = device = resolve_device(device)  # a bare "cuda" kept every tensor: it is not "cuda:0"
         self.min_offload_bytes = min_offload_bytes
         self.max_offload_bytes_per_layer = max_offload_bytes_per_layer
         self.selection: ModuleSelection | None = None  # see offload_modules()

@@ -29,10 +29,21 @@ from typing import Iterator, Protocol, Union
 
 import torch
 
-__all__ = ["CopyObserver", "Streams"]
+__all__ = ["CopyObserver", "Streams", "resolve_device"]
 
 #: What a copy can be ordered after: all work queued on a stream so far, or one event.
 After = Union[torch.cuda.Stream, torch.cuda.Event, None]
+
+
+def resolve_device(device: torch.device | str | int | None) -> torch.device:
+    """``device`` with its index: ``"cuda"`` becomes the current CUDA device, ``None`` the current
+    CUDA device or the CPU. Saved tensors are compared with it, and ``cuda`` is not ``cuda:0``."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 class CopyObserver(Protocol):

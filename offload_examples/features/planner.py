@@ -36,6 +36,7 @@ from torch import nn
 
 from ..core.engine import OffloadEngine
 from ..core.schedule import DefaultSchedule, Phase
+from ..core.streams import resolve_device
 
 __all__ = [
     "KEEP", "OFFLOAD", "RECOMPUTE", "Checkpointed", "Choice", "LayerCost", "LinkCost", "Plan", "SubsetSchedule",
@@ -393,9 +394,7 @@ def apply_plan(chosen: Plan, layers: Sequence[nn.Module], device: torch.device |
     """
     if len(chosen.choices) != len(layers):
         raise ValueError(f"the plan has {len(chosen.choices)} choices but there are {len(layers)} layers")
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     offloaded = [i for i, c in enumerate(chosen.choices) if c is OFFLOAD]
-    engine = OffloadEngine(_schedule(offloaded, len(layers)), device=torch.device(device), **engine_options)
+    engine = OffloadEngine(_schedule(offloaded, len(layers)), device=resolve_device(device), **engine_options)
     run = [Checkpointed(layer) if c is RECOMPUTE else layer for layer, c in zip(layers, chosen.choices)]
     return engine, engine.sync, run

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from ..core.host_pool import HostBuffer, HostBufferPool
-from ..core.streams import Streams
+from ..core.streams import Streams, resolve_device
 
 __all__ = ["StreamedLayers"]
 
@@ -91,9 +91,7 @@ class StreamedLayers(nn.Module):
         if len(layers) == 0:
             raise ValueError("StreamedLayers needs at least one layer")
         self.layers = nn.ModuleList(layers)
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = resolve_device(device)
         self.streams = Streams(self.device)
         self.pool = HostBufferPool(pin_memory=self.device.type == "cuda")
         self._layouts = [_Layout(list(layer.parameters())) for layer in self.layers]
