@@ -200,6 +200,11 @@ def test_waits_are_drawn_only_where_a_release_can_stall_the_compute_stream():
                     and any(a == "release" for a, _ in ctx.schedule.actions("forward", j))}
         assert waits <= releases, (offloaded, waits, releases)
         assert offloaded or not waits
+    # a release of a layer whose tensors all stayed on the device (too small to copy) waits for nothing
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=k, model_layers=n, min_offload_bytes=10**9)
+    training_step(model, x, ctx, sync)
+    spans = record_layer_timeline(lambda: training_step(model, x, ctx, sync), ctx)
+    assert ctx.offloaded_bytes == 0 and not [s for s in spans if s.name == "wait"]
 
 
 def test_memory_curve_from_recorded_snapshot():

@@ -467,17 +467,21 @@ class OffloadEngine(EngineReadouts, EngineSettings):
         stats.offloaded_tensors += rec.views
         self.resident_bytes += rec.nbytes
 
-    def _release(self, layer: int, why: str) -> None:
-        """Step 3: the home stream waits for the copies, then the GPU memory is dropped."""
+    def _release(self, layer: int, why: str) -> bool:
+        """Step 3: the home stream waits for the copies, then the GPU memory is dropped.
+        Returns whether anything was dropped (so the compute stream waited for a copy)."""
         self._move(layer, LayerState.RELEASED, why)
         capturing = self.capturing()
+        dropped = False
         for rec in self._records[layer]:
             if rec.device is not None and rec.host is not None:
                 rec.check_capture("released", capturing)
                 rec.check_version()
                 rec.drop_device(capturing)
                 self.resident_bytes -= rec.nbytes
+                dropped = True
         self.events += [("offload_finished", layer), ("release", layer)]
+        return dropped
 
     def _reload(self, records: list[_StorageRecord]) -> None:
         """Step 4 for the records that live on the host."""
@@ -506,17 +510,16 @@ class OffloadEngine(EngineReadouts, EngineSettings):
 
     def _run_actions(self, phase: str, layer: int) -> bool:
         """What the schedule asks for when ``phase`` of ``layer`` starts. Returns whether the compute
-        stream was made to wait: a release waits for its copy out; a reload makes the backward wait
-        only when it unpacks, inside the phase."""
+        stream was made to wait: a release that drops memory waits for its copies out; a reload makes
+        the backward wait only when it unpacks, inside the phase."""
         waited = False
         for action, i in self.schedule.actions(phase, layer):
             why = f"the {action} came at the {phase} of layer {layer}"
             target = LayerState.RELEASED if action == "release" else LayerState.RELOADING
             if not self.schedule.strict and self.layer_state[i] not in ALLOWED_FROM[target]:
                 continue  # the step did not run as many layers as the schedule counts: warned at backward
-            waited = waited or action == "release"
             if action == "release":
-                self._release(i, why)
+                waited = self._release(i, why) or waited
             else:
                 self._reload_layer(i, why)
         return waited
