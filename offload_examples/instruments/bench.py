@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from offload_examples import DefaultSchedule, get_cpu_offload_context
+from offload_examples.core.streams import resolve_device
 from offload_examples.features.planner import KEEP, OFFLOAD, RECOMPUTE, LayerCost, LinkCost, Plan, apply_plan, plan, simulate_plan
 from offload_examples.instruments.cli import (
     ArgumentParser, add_device, check_sizes, default_device, nonnegative_int, output_folder_arg, positive_int,
@@ -657,9 +658,7 @@ def run(config: BenchConfig | None = None, device: torch.device | str | None = N
     # and could be collected during a later one: the planner's costs, calibrated on that first
     # run, then predicted peaks about 10 % too high (seen inside the GPU test suite).
     _free()
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = resolve_device(device)
     config = config or (BenchConfig() if device.type == "cuda" else BenchConfig.tiny())
     per_k = sum({"no offload": 0, "planner": len(PLANNER_BUDGETS)}.get(s, 1) for s in config.strategies)
     bar = ProgressBar(len(config.models) * (1 + len(config.ks) * per_k), stream)
