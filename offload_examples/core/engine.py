@@ -21,7 +21,10 @@
 4. **Reloaded.** When the schedule says so (by default at the backward of layer
    ``i + max(1, N - 2 - k)``, seen through the gradient hook placed by ``sync``), new GPU memory
    is allocated *on the home stream*, so it returns to the pool of the stream that reads it, and
-   filled on the host-to-device stream; each record gets its own event.
+   filled on the host-to-device stream; each record gets its own event. If something else kept
+   the original memory alive since the release (a framework's cache, a later layer's saved
+   tensor), the record only takes it back: backward reads it in place, as without offloading,
+   and no duplicate is made. (The release counted those bytes as held: they freed nothing.)
 5. **Used.** When autograd unpacks a :class:`_SavedView`, the current stream waits for *that
    record's* reload event only, marks its use of the memory (a no-op on the home stream), and
    the view is rebuilt with its dtype, shape, strides and offset.
@@ -62,8 +65,8 @@ from .layer_state import ALLOWED_FROM, LayerState, LayerStats
 from .host_pool import HostBuffer, HostBufferPool, HostMemoryLimitError, NoFreeBufferError
 from .readouts import EngineReadouts, LayerCounts
 from .settings import EngineSettings
-from .policy import (NOT_FROM_AUTOGRAD, OUTSIDE_SELECTION, KeptTensor as _Kept, ModuleSelection, held_elsewhere,
-                     keep_reason, mark_not_offload)
+from .policy import (NOT_FROM_AUTOGRAD, OUTSIDE_SELECTION, KeptTensor as _Kept, ModuleSelection, StorageWeakRef,
+                     held_elsewhere, keep_reason, mark_not_offload)
 from .schedule import DefaultSchedule, ManualSchedule, SyncDictSchedule
 from .streams import Streams, resolve_device
 from .synchronizer import OffloadSynchronizer
@@ -83,8 +86,8 @@ class _StorageRecord:
     """
 
     __slots__ = ("streams", "pool", "layer", "iteration", "nbytes", "home", "device", "original", "version",
-                 "original_ref", "host", "offloaded", "reloaded", "views", "aborted", "captured", "deferred",
-                 "tried")
+                 "original_ref", "weak", "address", "host", "offloaded", "reloaded", "views", "aborted", "captured",
+                 "deferred", "tried")
 
     def __init__(self, engine: OffloadEngine, layer: int, t: torch.Tensor, deferred: bool):
         storage = t.untyped_storage()
@@ -101,6 +104,8 @@ class _StorageRecord:
         self.version = t._version
         # After release: any live tensor sharing the version counter (a view's base often outlives it).
         self.original_ref = [weakref.ref(x) for x in (t, t._base) if x is not None]
+        # The storage itself, weakly: alive after release only if something else holds it (step 4).
+        self.weak, self.address = StorageWeakRef(storage), storage.data_ptr()
         self.host: HostBuffer | None = None  # attached once its copy is queued
         self.offloaded: torch.cuda.Event | None = None
         self.reloaded: torch.cuda.Event | None = None
@@ -164,8 +169,13 @@ class _StorageRecord:
         self.original = None
 
     def copy_in(self) -> None:
-        """Step 4: allocate GPU bytes on the home stream and queue the host-to-device copy."""
+        """Step 4: allocate GPU bytes on the home stream and queue the host-to-device copy, or take
+        back the original memory if it is still alive (no copy: the bytes never left)."""
         s = self.streams
+        alive = torch.UntypedStorage._new_with_weak_ptr(self.weak.cdata)
+        if alive is not None and alive.data_ptr() == self.address and alive.nbytes() == self.nbytes:
+            self.device = torch.empty(0, dtype=torch.uint8, device=s.device).set_(alive)
+            return
         with s.on(self.home):
             device = torch.empty(self.nbytes, dtype=torch.uint8, device=s.device)
         # The new block may be memory the home stream used until just now.
@@ -477,11 +487,24 @@ class OffloadEngine(EngineReadouts, EngineSettings):
             if rec.device is not None and rec.host is not None:
                 rec.check_capture("released", capturing)
                 rec.check_version()
+                if held_elsewhere(rec.device, ours=self._engine_refs(rec.address)):  # dropping frees nothing
+                    self.stats[layer].held_bytes += rec.nbytes
                 rec.drop_device(capturing)
                 self.resident_bytes -= rec.nbytes
                 dropped = True
         self.events += [("offload_finished", layer), ("release", layer)]
         return dropped
+
+    def _engine_refs(self, address: int) -> int:
+        """Tensors the engine's records that will drop them hold on the storage at ``address`` (a
+        layer's output that the next layer saves too has a record in each). A record not copied out
+        keeps its storage until backward, like any other holder."""
+        refs = 0
+        for by_storage in self._by_storage:
+            rec = by_storage.get(address)
+            if rec is not None and rec.host is not None and rec.device is not None and rec.device.data_ptr() == address:
+                refs += 1 if rec.original is None else 2
+        return refs
 
     def _reload(self, records: list[_StorageRecord]) -> None:
         """Step 4 for the records that live on the host."""

@@ -43,5 +43,9 @@ class LayerStats:
     """Distinct storages copied to host memory (views of one storage are copied once)."""
     offloaded_bytes: int = 0
     """Bytes copied to host memory."""
+    held_bytes: int = 0
+    """Offloaded bytes that something besides the engine still referenced at the layer's release
+    (a framework's cache, a tensor the caller keeps): dropping them freed no memory then, and
+    backward reads them in place, without a reload, if they are still alive."""
     kept_tensors: int = 0
     """Saved tensors left on the device (weights, small tensors, layers not offloaded)."""

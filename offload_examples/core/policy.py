@@ -25,11 +25,12 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .errors import in_place_error
 
-__all__ = ["NOT_FROM_AUTOGRAD", "OUTSIDE_SELECTION", "KeptTensor", "ModuleSelection", "held_elsewhere", "is_weight_like", "keep_reason",
-           "mark_not_offload"]
+__all__ = ["NOT_FROM_AUTOGRAD", "OUTSIDE_SELECTION", "KeptTensor", "ModuleSelection", "StorageWeakRef", "held_elsewhere",
+           "is_weight_like", "keep_reason", "mark_not_offload"]
 
 _KEEP_ATTR = "_offload_examples_keep"
 #: :func:`keep_reason`'s answer for tensors decided at the end of the layer (see the module docstring).

@@ -55,15 +55,25 @@ class EngineReadouts:
     def theoretical(self) -> ResidentTrace:
         """The schedule's prediction for the bytes this iteration saved and offloaded.
 
-        Its ``saving`` is the peak-memory saving to expect in theory; its ``points`` say how many
-        offloaded bytes should be on the device at each phase (compare :attr:`resident_trace`).
+        Its ``saving`` is the peak-memory saving to expect in theory (bytes that something else still
+        held at their release, :attr:`LayerStats.held_bytes`, count as staying on the device); its
+        ``points`` say how many offloaded bytes the engine should hold on the device at each phase
+        (compare :attr:`resident_trace`).
         A ``synchronization_dict`` without an order is walked along the order the phases ran in;
         manual synchronization along the actions as they were called.
         """
         ran = [state is not LayerState.NOT_RUN for state in self.layer_state]  # carried counts of layers that ran
         offloaded = [s.offloaded_bytes if r else 0 for s, r in zip(self.stats, ran)]
         kept = [s.candidate_bytes - s.offloaded_bytes if r else 0 for s, r in zip(self.stats, ran)]
-        return self.schedule.predict(offloaded, kept, self.events)
+        trace = self.schedule.predict(offloaded, kept, self.events)
+        held = [s.held_bytes if r else 0 for s, r in zip(self.stats, ran)]
+        if not any(held):
+            return trace
+        # Bytes something else held at release left the engine's count (the points) but stayed on
+        # the device: the peak counts them as kept.
+        freed = self.schedule.predict([o - h for o, h in zip(offloaded, held)],
+                                      [k + h for k, h in zip(kept, held)], self.events)
+        return dataclasses.replace(trace, peak_with=freed.peak_with)
 
     def phase_order(self) -> list[tuple[str, int]]:
         """The order in which layer phases started in the current (or last) iteration."""

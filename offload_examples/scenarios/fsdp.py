@@ -35,6 +35,7 @@ for the same sizes in both runs; pin it with ``NCCL_ALGO`` if a run finds otherw
     python -m offload_examples fsdp                              # one rank per GPU, else 2 ranks on the CPU
     python -m offload_examples fsdp --wrap ddp --checkpoint 2
     python -m offload_examples fsdp --no-reshard-after-forward --cpu-params   # a GPU: FSDP's CPUOffloadPolicy too
+    python -m offload_examples fsdp --plan 0.5                   # the planner: keep, offload or recompute per layer
     torchrun --nproc-per-node 8 -m offload_examples fsdp         # under torchrun: one rank per process
 """
 
@@ -59,10 +60,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from offload_examples import get_cpu_offload_context
+from offload_examples import OffloadEngine, get_cpu_offload_context
+from offload_examples.features.planner import KEEP, OFFLOAD, RECOMPUTE, Plan, apply_plan, plan, simulate_plan
 from offload_examples.instruments.cli import add_device, default_device, nonnegative_int, positive_int
 from offload_examples.instruments.measure import deterministic_kernels, resident_vs_theory
 from offload_examples.instruments.models import Checkpointed, build_basic_model
+from offload_examples.instruments.plan_costs import measure_costs, measure_link
 from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table
 from offload_examples.instruments.timeline import (
     Span,
@@ -114,6 +117,11 @@ class FsdpConfig(TransformerSize, Timing, ScenarioConfig):
     cpu_params:
         FSDP2's ``CPUOffloadPolicy``: sharded parameters, gradients and the optimizer step on the
         host, on top of activation offloading (FSDP on GPUs only).
+    plan:
+        Let the planner choose keep, offload or recompute for each layer (instead of ``offload``
+        and ``checkpoint``): the fastest plan whose predicted peak of saved activations is at most
+        this fraction of keeping them all (0 < plan <= 1), see :func:`make_plan`; or a given
+        plan, one letter per layer: ``K`` keep, ``O`` offload, ``R`` recompute (``"OORK"``).
     """
 
     world: int | None = None
@@ -124,6 +132,7 @@ class FsdpConfig(TransformerSize, Timing, ScenarioConfig):
     checkpoint: int | None = None
     reshard_after_forward: bool = True
     cpu_params: bool = False
+    plan: float | str | None = None
 
     #: The small size, which runs in seconds on a CPU: what it changes here (the shared sizes have their own).
     SMALL = dict(world=2, layers=4, offload=2, batch=2)
@@ -137,6 +146,14 @@ class FsdpConfig(TransformerSize, Timing, ScenarioConfig):
             raise ValueError("--no-reshard-after-forward is an FSDP option: DDP keeps whole parameters (use --wrap fsdp)")
         if self.wrap == "ddp" and self.cpu_params:
             raise ValueError("--cpu-params is FSDP's CPUOffloadPolicy: it needs --wrap fsdp")
+        if isinstance(self.plan, str):
+            if len(self.plan) != self.layers or set(self.plan) - set("KOR") or self.plan[-1] == "O":
+                raise ValueError(f"plan {self.plan!r}: one letter per layer ({self.layers}) of K (keep), O (offload) "
+                                 "and R (recompute), the last not O")
+        elif self.plan is not None and not 0 < self.plan <= 1:
+            raise ValueError(f"plan is a fraction of the saved activations' peak, 0 < plan <= 1; got {self.plan}")
+        if self.plan is not None and self.checkpoint is not None:
+            raise ValueError("--plan chooses the recomputed layers itself: leave out --checkpoint")
 
 
 @dataclass(frozen=True)
@@ -173,23 +190,58 @@ class OffloadedStack(nn.Module):
         return x
 
 
-def build_model(config: FsdpConfig, device: torch.device) -> tuple[nn.Module, OffloadedStack]:
-    """The model to call and the stack inside it, with weights drawn from ``config.seed``.
+def _layers(config: FsdpConfig, device: torch.device) -> nn.ModuleList:
+    return build_basic_model(config.layers, config.hidden, config.heads, config.ffn, device=device,
+                             dtype=getattr(torch, config.dtype), kind="torch", seed=config.seed)
 
-    The last ``config.checkpoint`` layers are wrapped in :class:`Checkpointed` *before*
-    ``fully_shard``, so FSDP gathers their parameters once for backward and the recomputation
-    reuses them. With ``wrap="fsdp"`` the model is the stack itself (each layer and the root
-    sharded); with ``"ddp"`` it is a ``DistributedDataParallel`` around the stack.
+
+def make_plan(config: FsdpConfig, device: torch.device, x: torch.Tensor) -> tuple[Plan, int]:
+    """The planner's choice for ``config.plan``, the same on every rank, and the predicted peak of
+    keeping every layer (the budget is ``config.plan`` times it).
+
+    Rank 0 measures the layers before sharding (each rank holds whole layers and its own batch of
+    the same size, so one rank's costs stand for all; FSDP's collectives are not in them) and
+    plans; the plan is broadcast, because every rank must wrap the same layers for recomputation.
     """
-    layers = build_basic_model(config.layers, config.hidden, config.heads, config.ffn, device=device,
-                               dtype=getattr(torch, config.dtype), kind="torch", seed=config.seed)
+    if isinstance(config.plan, str):  # given: nothing to measure, nothing predicted
+        letters = {"K": KEEP, "O": OFFLOAD, "R": RECOMPUTE}
+        return Plan(tuple(letters[c] for c in config.plan), 0, 0.0, why="given"), 0
+    box: list[tuple[Plan, int] | None] = [None]
+    if dist.get_rank() == 0:
+        layers = _layers(config, device)
+        costs, _ = measure_costs(layers, x.detach().requires_grad_())
+        link = measure_link(device)
+        keep_all, _ = simulate_plan([KEEP] * len(costs), costs, link)
+        box[0] = plan(costs, link, budget_bytes=int(config.plan * keep_all)), keep_all
+        del layers
+        _free(device)
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def build_model(config: FsdpConfig, device: torch.device, chosen: Plan | None = None
+                ) -> tuple[nn.Module, OffloadedStack, OffloadEngine | None]:
+    """The model to call, the stack inside it, and the plan's engine, with weights drawn from ``config.seed``.
+
+    The last ``config.checkpoint`` layers, or the layers ``chosen`` recomputes, are wrapped in
+    :class:`Checkpointed` *before* ``fully_shard``, so FSDP gathers their parameters once for
+    backward and the recomputation reuses them; a plan's engine offloads the layers it chose
+    (:func:`~offload_examples.features.planner.apply_plan`). With ``wrap="fsdp"`` the model is
+    the stack itself (each layer and the root sharded); with ``"ddp"`` it is a
+    ``DistributedDataParallel`` around the stack.
+    """
+    layers, engine = _layers(config, device), None
+    if chosen is not None:
+        engine, _, wrapped = apply_plan(chosen, layers, device, retain_pinned_cpu_buffers=True)
+        layers = nn.ModuleList(wrapped)
     for i in range(config.layers - (config.checkpoint or 0), config.layers):
         layers[i] = Checkpointed(layers[i])
     stack = OffloadedStack(layers)
     if config.wrap == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(stack, device_ids=[device.index] if device.type == "cuda" else None), stack
+        ddp = DistributedDataParallel(stack, device_ids=[device.index] if device.type == "cuda" else None)
+        return ddp, stack, engine
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     options: dict[str, Any] = {"reshard_after_forward": config.reshard_after_forward}
@@ -198,12 +250,17 @@ def build_model(config: FsdpConfig, device: torch.device) -> tuple[nn.Module, Of
     for layer in layers:
         fully_shard(layer, **options)
     fully_shard(stack, **options)
-    return stack, stack
+    return stack, stack, engine
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor (FSDP's parameters and gradients are sharded DTensors), on the host."""
     return (t.to_local() if hasattr(t, "to_local") else t).detach().to("cpu", copy=True)
+
+
+def _plain(name: str) -> str:
+    """A parameter's name as in the plain stack (a plan wraps some layers in ``Checkpointed``)."""
+    return name.replace(".layer.", ".", 1) if name.startswith("layers.") else name
 
 
 def _compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[bool, float]:
@@ -273,17 +330,17 @@ def _profile(step: Callable[[], None], path: Path | None) -> dict:
 
 # ---------------------------------------------------------------------------- one rank
 def _run_case(config: FsdpConfig, device: torch.device, x: torch.Tensor, offload: bool,
-              say: Callable[[str], None], trace_path: Path | None) -> dict[str, Any]:
-    """Train a fresh model: checked steps, then warm-up and measured steps; what each showed."""
+              say: Callable[[str], None], trace_path: Path | None, chosen: Plan | None = None) -> dict[str, Any]:
+    """Train a fresh model: checked steps, then warm-up and measured steps; what each showed.
+    With ``offload`` and a plan, the plan runs (the run without runs every layer plainly)."""
     cuda = device.type == "cuda"
-    model, stack = build_model(config, device)
+    model, stack, engine = build_model(config, device, chosen if offload else None)
     optimizer = torch.optim.AdamW(stack.parameters(), lr=1e-3)
-    engine = None
-    if offload:
-        engine, stack.sync = get_cpu_offload_context(enabled=True, num_layers=config.offload,
-                                                     model_layers=config.layers, retain_pinned_cpu_buffers=True,
-                                                     device=device)
-        stack.ctx = engine
+    if offload and engine is None:
+        engine, _ = get_cpu_offload_context(enabled=True, num_layers=config.offload, model_layers=config.layers,
+                                            retain_pinned_cpu_buffers=True, device=device)
+    if engine is not None:
+        stack.ctx, stack.sync = engine, engine.sync
 
     def forward_backward() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -292,9 +349,9 @@ def _run_case(config: FsdpConfig, device: torch.device, x: torch.Tensor, offload
     with deterministic_kernels():  # bit-reproducible kernels for the comparison; the timed steps use the fast ones
         for _ in range(CHECK_STEPS):
             forward_backward()
-            grads = {n: _local(p.grad) for n, p in stack.named_parameters() if p.grad is not None}
+            grads = {_plain(n): _local(p.grad) for n, p in stack.named_parameters() if p.grad is not None}
             optimizer.step()
-    params = {n: _local(p) for n, p in stack.named_parameters()}
+    params = {_plain(n): _local(p) for n, p in stack.named_parameters()}
 
     label = "offload" if offload else "no offload"
     times, baseline = [], 0
@@ -328,6 +385,7 @@ def _run_case(config: FsdpConfig, device: torch.device, x: torch.Tensor, offload
         out.update(
             stats=stats, theory=engine.theoretical(), resident=resident_vs_theory(engine),
             host_pinned_bytes=engine.pool.peak_bytes, iterations=engine.iteration + 1,
+            offloaded=[engine.schedule.is_offloaded(j) for j in range(config.layers)],
         )
     if cuda:  # one more step under the profiler, in both runs: the prefetch comparison needs the two
         optimizer.zero_grad(set_to_none=True)
@@ -354,10 +412,13 @@ def _run_rank(rank: int, config: FsdpConfig, device: torch.device, verbose: bool
     gen = torch.Generator().manual_seed(config.seed + 1 + rank)  # each rank its own batch
     x = torch.randn(config.batch, config.seq, config.hidden, generator=gen, dtype=getattr(torch, config.dtype)).to(device)
     without, with_ = trace_paths(trace_dir, rank) if trace_dir else (None, None)
+    chosen, keep_all = (None, 0) if config.plan is None else make_plan(config, device, x)
+    if chosen is not None:
+        say(f"plan: {' '.join(c.value[0].upper() for c in chosen.choices)} (K keep, O offload, R recompute)")
     base = _run_case(config, device, x, False, say, without)
     _free(device)
     dist.barrier()
-    off = _run_case(config, device, x, True, say, with_)
+    off = _run_case(config, device, x, True, say, with_, chosen)
     _free(device)
     grads_equal, grad_diff = _compare(base["grads"], off["grads"])
     params_equal, param_diff = _compare(base["params"], off["params"])
@@ -370,8 +431,8 @@ def _run_rank(rank: int, config: FsdpConfig, device: torch.device, verbose: bool
         "theoretical_saving_bytes": theory.saving,
         "saving_ratio": None,
         "offloaded_bytes": sum(s.offloaded_bytes for s in stats),
-        # what the default schedule offloads: every candidate storage of the first k layers
-        "expected_offloaded_bytes": sum(s.candidate_bytes for s in stats[:config.offload]),
+        # what the schedule offloads: every candidate storage of the offloaded layers
+        "expected_offloaded_bytes": sum(s.candidate_bytes for j, s in enumerate(stats) if off["offloaded"][j]),
         "offloaded_bytes_per_layer": [s.offloaded_bytes for s in stats],
         "saved_bytes_per_layer": [s.candidate_bytes for s in stats],
         "resident_matches_theory": all(got == want for _, _, got, want in off["resident"]),
@@ -390,11 +451,21 @@ def _run_rank(rank: int, config: FsdpConfig, device: torch.device, verbose: bool
     if base["activation_peak_bytes"] is not None:
         saving = base["activation_peak_bytes"] - off["activation_peak_bytes"]
         out.update(saving_bytes=saving, saving_ratio=saving / theory.saving if theory.saving else None)
+    if chosen is not None:
+        out["plan"] = _plan_results(chosen, keep_all, base, off)
     if "streams" in off:
         out.update(streams=off["streams"], copy_overlap_ms=off["copy_overlap_ms"],
                    stream_roles={str(lane.stream): lane.role for lane in off["lanes"]})
     out.update(_timeline_results(config, base.get("lanes"), off.get("lanes"), trace_dir, rank))
     return out
+
+
+def _plan_results(chosen: Plan, keep_all: int, base: dict[str, Any], off: dict[str, Any]) -> dict[str, Any]:
+    """The plan, and its predicted saving and step-time ratio next to the measured ones."""
+    measured = None if base["activation_peak_bytes"] is None else base["activation_peak_bytes"] - off["activation_peak_bytes"]
+    predicted = keep_all - chosen.predicted_peak_bytes if keep_all else None  # None: a given plan
+    return {**chosen.to_dict(), "predicted_saving_bytes": predicted,
+            "measured_saving_bytes": measured, "measured_step_ratio": off["step_ms"] / base["step_ms"]}
 
 
 def _timeline_results(config: FsdpConfig, without: list[StreamLane] | None, with_: list[StreamLane] | None,
@@ -555,8 +626,9 @@ def run(config: FsdpConfig | None = None, launch: Launch | None = None,
         raise RuntimeError(f"world {config.world} needs one GPU per rank; {torch.cuda.device_count()} visible")
     verbose = progress is not None
     if progress is not None:
-        progress(f"fsdp scenario: {config.world} rank(s), {launch.backend}, {config.wrap}, {config.layers} layers, "
-                 f"offloading {config.offload}")
+        what = (f"offloading {config.offload}" if config.plan is None else f"plan {config.plan}"
+                if isinstance(config.plan, str) else f"planned at {config.plan:.0%} of the saved peak")
+        progress(f"fsdp scenario: {config.world} rank(s), {launch.backend}, {config.wrap}, {config.layers} layers, {what}")
     if trace_dir is not None:
         Path(trace_dir).mkdir(parents=True, exist_ok=True)
         trace_dir = str(trace_dir)
@@ -597,7 +669,9 @@ def format_report(report: dict[str, Any]) -> str:
     wrap = ("FSDP2 fully_shard per layer" + ("" if c["reshard_after_forward"] else ", no reshard after forward")
             + (", CPUOffloadPolicy" if c["cpu_params"] else "")) if c["wrap"] == "fsdp" else "DDP"
     head = (f"{wrap} on {report['world']} rank(s) ({report['backend']}, {report['device']}, torch {report['torch']}): "
-            f"{c['layers']} layers, first {c['offload']} offloaded"
+            f"{c['layers']} layers, " + (f"first {c['offload']} offloaded" if c.get("plan") is None else
+                                          f"plan {c['plan']}" if isinstance(c["plan"], str) else
+                                          f"planned ({c['plan']:.0%} of the saved peak)")
             + (f", last {c['checkpoint']} checkpointed" if c["checkpoint"] else "")
             + f"; hidden {c['hidden']}, seq {c['seq']}, batch {c['batch']} per rank, {c['dtype']}")
     memory = format_table(
@@ -615,6 +689,8 @@ def format_report(report: dict[str, Any]) -> str:
         header=("rank", "step without / with", "overhead", "grads bitwise equal", "params after AdamW equal",
                 "max |diff|"))
     lines = [head, memory, "", timing]
+    if ranks and ranks[0].get("plan"):
+        lines += ["", *_plan_lines(ranks[0]["plan"])]
     if ranks and ranks[0].get("streams"):
         roles = ranks[0].get("stream_roles", {})
         lines += ["", "rank 0, one step with offloading: busy time per CUDA stream"]
@@ -628,6 +704,16 @@ def format_report(report: dict[str, Any]) -> str:
     if ranks:
         lines += _prefetch_lines(ranks[0])
     return "\n".join(lines + cpu_timing_note(report))
+
+
+def _plan_lines(p: dict[str, Any]) -> list[str]:
+    mib, measured = 2**20, p["measured_saving_bytes"]
+    return [f"plan (rank 0 measured, every rank runs it): {' '.join(c[0].upper() for c in p['choices'])} "
+            "(K keep, O offload, R recompute)" + ("" if p["feasible"] else f"; infeasible: {p['why']}"),
+            ("given plan" if p["predicted_saving_bytes"] is None else
+             f"predicted saving of saved activations {p['predicted_saving_bytes'] / mib:.1f} MiB") + ", measured peak saving "
+            + ("n/a (no CUDA)" if measured is None else f"{measured / mib:.1f} MiB")
+            + f"; step {p['measured_step_ratio']:.2f} x the run without the plan"]
 
 
 def _prefetch_lines(r: dict[str, Any]) -> list[str]:
@@ -654,6 +740,13 @@ def _prefetch_lines(r: dict[str, Any]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- the command line
+def _plan_arg(text: str) -> float | str:
+    try:
+        return float(text)
+    except ValueError:
+        return text.upper()
+
+
 def _placement_options(parser: argparse.ArgumentParser) -> None:
     add_device(parser)
     parser.add_argument("--small", action="store_true", help="use the small CPU-sized model on any device "
@@ -669,6 +762,10 @@ def _options(parser: argparse.ArgumentParser) -> None:
                         help="recompute the last N layers in backward, torch.utils.checkpoint (default: 0, none)")
     parser.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=None,
                         help="FSDP frees each layer's gathered parameters after its forward (default: on)")
+    parser.add_argument("--plan", type=_plan_arg, metavar="FRACTION|LETTERS",
+                        help="let the planner keep, offload or recompute each layer so that the saved activations' "
+                             "predicted peak is at most FRACTION of keeping them all, or give the plan, one letter "
+                             "per layer of K, O, R (e.g. OORK); instead of --offload/--checkpoint")
     parser.add_argument("--cpu-params", action="store_true", default=None,
                         help="FSDP's CPUOffloadPolicy as well: sharded parameters and the optimizer on the host "
                              "(needs CUDA and --wrap fsdp)")
