@@ -754,3 +754,71 @@ def test_a_saved_tensor_let_go_after_release_is_reloaded_from_the_host(mode, mon
     assert ctx.stats[0].held_bytes == fused  # layer 1 is released after the cache let go in some modes
     assert sum(copied) == ctx.offloaded_bytes - out  # all but layer 1's output, still held by layer 2
     assert_idle(ctx)
+
+
+class CachesDetached(nn.Module):
+    """Keeps ``h.detach()`` of an activation it saved (a handle on the activation, sharing its version
+    counter); ``h`` itself dies with the forward."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.a, self.b, self.cache = nn.Linear(width, 4 * width), nn.Linear(4 * width, width), []
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))  # tanh saves its output h
+        self.cache.append(h.detach())
+        return self.b(h)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_in_place_change_after_release_through_a_kept_detach_raises(mode):
+    """Found by review: the storage is still alive at reload, so the record would take back the changed
+    bytes; autograd raises without offloading, and so must the engine (not compute with them)."""
+    model = nn.ModuleList(CachesDetached() for _ in range(N))
+    ctx, sync, synchronizer = make_ctx(mode, min_offload_bytes=0)
+    h = forward(model, data(), ctx, sync, synchronizer)  # layer 0 is released by now in every mode
+    model[0].cache[-1].mul_(0.5)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation|in place"):
+        backward(h, synchronizer)
+
+
+def test_a_storage_aliased_through_dlpack_is_not_counted_as_the_engines():
+    """Found by review: another storage over the same memory (DLPack, ``from_numpy``) is not one of the
+    engine's own references, so a tensor the caller still holds is counted as held."""
+
+    class Alias(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return torch.from_dlpack(x.detach())
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    class Cached(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l, self.cache = nn.Linear(16, 64), []
+
+        def forward(self, x):
+            y = torch.tanh(self.l(x))
+            self.cache.append(y)
+            return y
+
+    class Aliasing(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(64, 16)
+
+        def forward(self, y):
+            z = Alias.apply(y)
+            assert z.untyped_storage()._cdata != y.untyped_storage()._cdata
+            return self.l(z * z)
+
+    model = nn.ModuleList([Cached(), Aliasing(), nn.Linear(16, 16), nn.Linear(16, 16)])
+    x = data()
+    expected = run(model, x)
+    model[0].cache.clear()
+    ctx, sync, synchronizer = make_ctx("default", min_offload_bytes=0)
+    assert same(expected, run(model, x, ctx, sync, synchronizer))
+    assert ctx.stats[0].held_bytes == 8 * 64 * 4  # y: still in the module's cache at the release

@@ -147,6 +147,13 @@ def test_recompute_hides_behind_a_reload():
     assert (got.predicted_peak_bytes, got.predicted_step_ms) == (12 * MB, 23.0)
 
 
+def test_a_free_recomputation_that_saves_nothing_is_not_chosen():
+    """Found by the property below: recomputing a last layer with no forward time and no input ties
+    keeping it on time and peak; it held less, which no later layer could use, and won the tie."""
+    got = plan([LayerCost(0.0, 0.0, 1, 0)], LinkCost(1.0, 1.0, 1.0), budget_bytes=1)
+    assert got.choices == (KEEP,)
+
+
 @EXAMPLES
 @given(st.data())
 def test_ample_budget_costs_no_time(data):

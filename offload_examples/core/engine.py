@@ -66,7 +66,7 @@ from .host_pool import HostBuffer, HostBufferPool, HostMemoryLimitError, NoFreeB
 from .readouts import EngineReadouts, LayerCounts
 from .settings import EngineSettings
 from .policy import (NOT_FROM_AUTOGRAD, OUTSIDE_SELECTION, KeptTensor as _Kept, ModuleSelection, StorageWeakRef,
-                     held_elsewhere, keep_reason, mark_not_offload)
+                     held_elsewhere, keep_reason, mark_not_offload, version_witness)
 from .schedule import DefaultSchedule, ManualSchedule, SyncDictSchedule
 from .streams import Streams, resolve_device
 from .synchronizer import OffloadSynchronizer
@@ -86,7 +86,7 @@ class _StorageRecord:
     """
 
     __slots__ = ("streams", "pool", "layer", "iteration", "nbytes", "home", "device", "original", "version",
-                 "original_ref", "weak", "address", "host", "offloaded", "reloaded", "views", "aborted", "captured",
+                 "original_ref", "witness", "weak", "address", "host", "offloaded", "reloaded", "views", "aborted", "captured",
                  "deferred", "tried")
 
     def __init__(self, engine: OffloadEngine, layer: int, t: torch.Tensor, deferred: bool):
@@ -104,6 +104,7 @@ class _StorageRecord:
         self.version = t._version
         # After release: any live tensor sharing the version counter (a view's base often outlives it).
         self.original_ref = [weakref.ref(x) for x in (t, t._base) if x is not None]
+        self.witness: torch.Tensor | None = None
         # The storage itself, weakly: alive after release only if something else holds it (step 4).
         self.weak, self.address = StorageWeakRef(storage), storage.data_ptr()
         self.host: HostBuffer | None = None  # attached once its copy is queued
@@ -148,7 +149,8 @@ class _StorageRecord:
             raise capture_mismatch_error(self.layer, self.captured, what)
 
     def check_version(self) -> None:
-        alive = [self.original] if self.original is not None else [r() for r in self.original_ref]
+        alive = [self.original if self.original is not None else self.witness]
+        alive += [r() for r in self.original_ref]
         if any(t is not None and t._version != self.version for t in alive):
             raise in_place_error(self.layer)
 
@@ -166,7 +168,8 @@ class _StorageRecord:
         # else the waits would cross a capture's edge, which CUDA forbids; they are not needed:
         # the device was synchronized before the capture, and a graph's copies finish inside it.
         self.device = None
-        self.original = None
+        if self.original is not None:  # keep its version counter, not its storage: in-place changes stay visible
+            self.witness, self.original = version_witness(self.original), None
 
     def copy_in(self) -> None:
         """Step 4: allocate GPU bytes on the home stream and queue the host-to-device copy, or take
@@ -325,6 +328,7 @@ class OffloadEngine(EngineReadouts, EngineSettings):
             self._records: list[list[_StorageRecord]] = [[] for _ in range(n)]
             self._by_storage: list[dict[int, _StorageRecord]] = [{} for _ in range(n)]
             self._seen: list[set[int]] = [set() for _ in range(n)]
+            self._by_impl: dict[int, list[_StorageRecord]] = {}  # StorageImpl (kept by the weak refs) -> records
             self.layer_state = [LayerState.NOT_RUN] * n
             self.stats = self.counts.new_iteration(getattr(self, "stats", []), getattr(self, "_entered", 0),
                                                    [self.schedule.is_offloaded(j) for j in range(n)])
@@ -487,7 +491,7 @@ class OffloadEngine(EngineReadouts, EngineSettings):
             if rec.device is not None and rec.host is not None:
                 rec.check_capture("released", capturing)
                 rec.check_version()
-                if held_elsewhere(rec.device, ours=self._engine_refs(rec.address)):  # dropping frees nothing
+                if held_elsewhere(rec.device, ours=self._engine_refs(rec)):  # dropping frees nothing
                     self.stats[layer].held_bytes += rec.nbytes
                 rec.drop_device(capturing)
                 self.resident_bytes -= rec.nbytes
@@ -495,14 +499,13 @@ class OffloadEngine(EngineReadouts, EngineSettings):
         self.events += [("offload_finished", layer), ("release", layer)]
         return dropped
 
-    def _engine_refs(self, address: int) -> int:
-        """Tensors the engine's records that will drop them hold on the storage at ``address`` (a
+    def _engine_refs(self, releasing: _StorageRecord) -> int:
+        """Tensors that the engine's records which will drop them hold on ``releasing``'s storage (a
         layer's output that the next layer saves too has a record in each). A record not copied out
         keeps its storage until backward, like any other holder."""
         refs = 0
-        for by_storage in self._by_storage:
-            rec = by_storage.get(address)
-            if rec is not None and rec.host is not None and rec.device is not None and rec.device.data_ptr() == address:
+        for rec in self._by_impl.get(releasing.weak.cdata, ()):
+            if rec.host is not None and rec.device is not None:
                 refs += 1 if rec.original is None else 2
         return refs
 
@@ -618,6 +621,7 @@ class OffloadEngine(EngineReadouts, EngineSettings):
         self.stats[layer].candidate_bytes += rec.nbytes
         self._records[layer].append(rec)
         self._by_storage[layer][storage.data_ptr()] = rec
+        self._by_impl.setdefault(rec.weak.cdata, []).append(rec)
         if self.schedule.copy_on_save and not deferred:
             self._copy_out(rec)
         return rec

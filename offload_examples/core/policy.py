@@ -30,7 +30,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .errors import in_place_error
 
 __all__ = ["NOT_FROM_AUTOGRAD", "OUTSIDE_SELECTION", "KeptTensor", "ModuleSelection", "StorageWeakRef", "held_elsewhere",
-           "is_weight_like", "keep_reason", "mark_not_offload"]
+           "is_weight_like", "keep_reason", "mark_not_offload", "version_witness"]
 
 _KEEP_ATTR = "_offload_examples_keep"
 #: :func:`keep_reason`'s answer for tensors decided at the end of the layer (see the module docstring).
@@ -114,6 +114,25 @@ def held_elsewhere(storage_view: torch.Tensor, ours: int) -> bool:
         return False
     storage = storage_view.untyped_storage()  # this Python object holds one reference too
     return _use_count(storage._cdata) > ours + 1
+
+
+_set_version = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+
+
+def version_witness(t: torch.Tensor) -> torch.Tensor | None:
+    """A tensor without memory that shares ``t``'s version counter (``t``: a detached tensor the
+    caller gives up). Once a storage is released, it is how an in-place change made through any
+    other tensor on that counter (a ``detach()`` someone keeps) is still caught at backward.
+    ``None`` on a PyTorch without the means to build one."""
+    if _set_version is None:
+        return None
+    version = t._version
+    t.set_()  # drops the storage; as any in-place op, it bumps the shared counter, which is set back
+    try:
+        _set_version((t,), (version,))
+    except TypeError:  # torch < 2.5 takes one tensor
+        _set_version(t, version)
+    return t
 
 
 class KeptTensor:

@@ -258,7 +258,10 @@ def _prefix_front(costs: Sequence[LayerCost], link: LinkCost, k: int, cap: float
                 if p <= cap:
                     a = round(max(alpha + (c.forward_ms if rec else 0.0), cut[j]), _DECIMALS)
                     new.append((a, p, h, nrec + rec, ch + (rec,)))
-        states = _nondominated(new, 3)
+        if j < n - 1:
+            states = _nondominated(new, 3)
+        else:  # what the layers hold matters no more after the last one: equals go to fewer changes
+            states = [(a, p, h, r, ch) for a, p, r, h, ch in _nondominated([(a, p, r, h, ch) for a, p, h, r, ch in new], 3)]
     return [(alpha, peak, k + nrec, (OFFLOAD,) * k + tuple(RECOMPUTE if r else KEEP for r in ch))
             for alpha, peak, _, nrec, ch in states]
 
