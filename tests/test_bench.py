@@ -35,6 +35,19 @@ def _check_outputs(results: dict, out) -> None:
         assert p.read_bytes()[:8] == PNG and p.stat().st_size > 5000, p
 
 
+def test_each_model_in_its_own_process_gives_the_same_report():
+    """``isolate``: each model's grid runs in a spawned process; the report has the same shape, the
+    progress bar goes on across processes, and each model says what it left allocated."""
+    config = bench.BenchConfig.tiny(models=("A", "B"), ks=(1,), strategies=("no offload", "engine"))
+    out = io.StringIO()
+    results = bench.run(config, "cpu", stream=out, isolate=True)
+    assert [m["model"] for m in results["models"]] == ["A", "B"]
+    for m in results["models"]:
+        assert [(r["strategy"], r["k"], r["status"]) for r in m["runs"]] == [("no offload", 0, "ok"), ("engine", 1, "ok")]
+        assert "left_allocated_bytes" in m and m["left_allocated_bytes"] is None  # no allocator to ask on a CPU
+    assert "4/4 done" in out.getvalue()
+
+
 def test_bench_tiny_end_to_end(tmp_path):
     config = bench.BenchConfig.tiny(models=("A", "B"), ks=(1, 2))
     results = bench.run(config, "cpu", stream=io.StringIO())

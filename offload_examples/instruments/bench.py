@@ -37,10 +37,14 @@ import contextlib
 import dataclasses
 import gc
 import importlib.util
+import multiprocessing
 import os
+import pickle
 import platform
 import statistics
 import sys
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -650,9 +654,56 @@ def check_planner(results: dict[str, Any]) -> list[dict[str, Any]]:
     return checks
 
 
+def _model_units(config: BenchConfig) -> int:
+    """Progress units of one model: its no-offload run, then each strategy (each planner budget) per k."""
+    per_k = sum({"no offload": 0, "planner": len(PLANNER_BUDGETS)}.get(s, 1) for s in config.strategies)
+    return 1 + len(config.ks) * per_k
+
+
+def _measured_model(name: str, config: BenchConfig, device: torch.device, link: dict | None, bar: ProgressBar,
+                    detail: bool, plan_link: LinkCost | None) -> dict[str, Any]:
+    """:func:`_bench_model`, and the device memory it left allocated (``left_allocated_bytes``)."""
+    cuda = device.type == "cuda"
+    before = torch.cuda.memory_allocated(device) if cuda else 0
+    out = _bench_model(name, config, device, link, bar, detail, plan_link)
+    _free()
+    out["left_allocated_bytes"] = torch.cuda.memory_allocated(device) - before if cuda else None
+    return out
+
+
+def _model_in_child(args: tuple, elapsed_s: float, done: int, total: int, path: str) -> None:
+    """A spawned process's work: one model's grid, pickled to ``path``; its bar goes on from the parent's."""
+    import_transformer_engine()  # when installed: before CUDA starts in this process
+    bar = ProgressBar(total)
+    bar.done, bar.began = done, time.perf_counter() - elapsed_s
+    with open(path, "wb") as f:
+        pickle.dump(_measured_model(args[0], args[1], args[2], args[3], bar, *args[4:]), f)
+
+
+def _model_in_process(args: tuple, bar: ProgressBar, units: int) -> dict[str, Any]:
+    """One model's grid in a fresh process: what a library leaves allocated after a model (a handler
+    that keeps tensors, a cache) cannot fall on the next model's peak or run it out of memory."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "model.pkl")
+        child = multiprocessing.get_context("spawn").Process(
+            target=_model_in_child, args=(args, time.perf_counter() - bar.began, bar.done, bar.total, path))
+        child.start()
+        child.join()
+        if child.exitcode != 0:
+            raise RuntimeError(f"model {args[0]}: its process exited with code {child.exitcode} (its output is above)")
+        with open(path, "rb") as f:
+            out = pickle.load(f)
+    bar.done += units
+    return out
+
+
 def run(config: BenchConfig | None = None, device: torch.device | str | None = None,
-        stream=None) -> dict[str, Any]:
-    """Run the benchmark and return everything it measured (see :func:`write_outputs`)."""
+        stream=None, isolate: bool | None = None) -> dict[str, Any]:
+    """Run the benchmark and return everything it measured (see :func:`write_outputs`).
+
+    ``isolate`` runs each model in a fresh process (default: on CUDA with several models). A first
+    full-size run on the H100 had a previous model's 78 GiB still allocated when the next was built.
+    """
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     # Garbage left by earlier work (a model in a reference cycle) would sit in the first run's peak
     # and could be collected during a later one: the planner's costs, calibrated on that first
@@ -660,8 +711,8 @@ def run(config: BenchConfig | None = None, device: torch.device | str | None = N
     _free()
     device = resolve_device(device)
     config = config or (BenchConfig() if device.type == "cuda" else BenchConfig.tiny())
-    per_k = sum({"no offload": 0, "planner": len(PLANNER_BUDGETS)}.get(s, 1) for s in config.strategies)
-    bar = ProgressBar(len(config.models) * (1 + len(config.ks) * per_k), stream)
+    units = _model_units(config)
+    bar = ProgressBar(len(config.models) * units, stream)
     bar.show("measuring the host<->device link")
     link = _link(device)
     plan_link = _plan_link(device, link) if "planner" in config.strategies else None
@@ -675,8 +726,14 @@ def run(config: BenchConfig | None = None, device: torch.device | str | None = N
         "skipped": {s: why for s in config.strategies if (why := available(s, device))},
         "models": [],
     }
+    if isolate is None:
+        isolate = device.type == "cuda" and len(config.models) > 1
     for i, name in enumerate(config.models):
-        results["models"].append(_bench_model(name, config, device, link, bar, detail=i == 0, plan_link=plan_link))
+        args = (name, config, device, link, i == 0, plan_link)
+        if isolate:
+            results["models"].append(_model_in_process(args, bar, units))
+        else:
+            results["models"].append(_measured_model(name, config, device, link, bar, i == 0, plan_link))
     bar.close()
     results["targets"] = check_targets(results)
     results["planner_checks"] = check_planner(results)
