@@ -94,6 +94,15 @@ def test_bench_cli_and_a_failing_strategy(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "bench.json").is_file()
 
 
+def test_transformer_engines_offload_is_skipped_on_torch_layers(monkeypatch):
+    """TE's offload raised on PyTorch's layers and kept ~77 GiB allocated on the H100: skipped, with why."""
+    monkeypatch.setattr(bench, "has_transformer_engine", lambda: True)
+    cuda = torch.device("cuda")
+    assert bench.available("transformer_engine", cuda, TORCH_LAYER) == bench.TE_ON_TORCH_LAYERS
+    assert bench.available("transformer_engine", cuda, TE_LAYER) is None
+    assert "must be contiguous" in bench.TE_ON_TORCH_LAYERS
+
+
 def test_save_on_cpu_is_skipped_on_transformer_engine_layers(monkeypatch):
     """save_on_cpu crashes on TE's layers and poisons the CUDA context: it is skipped, with why."""
     for device in (torch.device("cpu"), torch.device("cuda")):

@@ -171,6 +171,11 @@ SAVE_ON_CPU_ON_TE = ("crashes with Transformer Engine layers: CUDA illegal memor
                      "(seen with torch 2.11, TE 2.20.2)")
 
 
+#: Transformer Engine's offload on PyTorch's layers: it raises at the first step and keeps what it held.
+TE_ON_TORCH_LAYERS = ("runs on Transformer Engine's layers only: on PyTorch's it raised 'Tensor at index 4 "
+                      "must be contiguous for CPU offload' and then kept ~77 GiB allocated (H100, TE 2.20.2)")
+
+
 def available(strategy: str, device: torch.device, kind: str | None = None) -> str | None:
     """``None`` when ``strategy`` can run here on layers of ``kind`` (see :func:`layer_kind`), else why not."""
     if strategy == "save_on_cpu" and kind == TE_LAYER:
@@ -182,6 +187,8 @@ def available(strategy: str, device: torch.device, kind: str | None = None) -> s
             return "Transformer Engine is not installed"
         if device.type != "cuda":
             return "Transformer Engine needs CUDA"
+        if kind is not None and kind != TE_LAYER:
+            return TE_ON_TORCH_LAYERS
     return None
 
 
