@@ -43,13 +43,18 @@ stored_sources = {
     # model A with Transformer Engine's layers, before and after 170f3b7 (hook-free non-offloaded layers)
     "te-bench-67a2151": "docs/runs/2026-11-23-h100-session2/bench_A_te_k2_k4_at_67a2151.md",
     "te-bench-1b7a591": "docs/runs/2026-11-23-h100-session2/bench_A_te_k2_k4_at_1b7a591.md",
-    "fsdp": "docs/runs/2026-11-23-h100-session3/gpu_fsdp.json",  # FSDP2 on one H100
-    "fsdp-cpu-params": "docs/runs/2026-11-23-h100-session3/gpu_fsdp_cpu_params.json",  # ... with CPUOffloadPolicy
+    "fsdp": "docs/runs/2026-11-24-h100-session4/gpu_fsdp.json",  # FSDP2 on one H100
+    "fsdp-cpu-params": "docs/runs/2026-11-24-h100-session4/gpu_fsdp_cpu_params.json",  # ... with CPUOffloadPolicy
+    "fsdp-plan": "docs/runs/2026-11-24-h100-session4/gpu_fsdp_plan.json",  # ... with the planner's plan
+    # three models, engine / TE / checkpoint / planner, one run (docs/planner.md)
+    "plan-bench": "docs/runs/2026-11-24-h100-session4/bench/bench.json",
+    "pipeline-te": "docs/runs/2026-11-24-h100-session4/pipeline_te.json",  # one TE layer, 1F1B order
     "concepts": "notebooks/01_concepts.ipynb",  # its stored outputs: copies, bandwidths, pinning
     # the GPU runs docs/reliability.md reports: the basic scenario on TE layers, the second session's record
     "basic-te": "docs/runs/2026-11-23-h100/basic_te_layers.json",
     "gpu-session2": "docs/runs/2026-11-23-h100-session2/README.md",
     "gpu-session3": "docs/runs/2026-11-23-h100-session3/README.md",
+    "gpu-session4": "docs/runs/2026-11-24-h100-session4/README.md",
 }
 
 extensions = [

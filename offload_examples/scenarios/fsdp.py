@@ -82,6 +82,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHECK_STEPS", "FsdpConfig", "Launch", "OffloadedStack", "build_model", "default_world", "format_report", "main",
+    "make_plan",
     "prefetch_comparison", "run", "stream_activity", "timeline_figure", "timeline_figure_from_traces", "trace_paths",
     "under_torchrun",
 ]
