@@ -141,7 +141,17 @@ def _bad_option(command: str, option: str) -> st.SearchStrategy[list[str]]:
     if name == "fractions":
         return value(st.one_of(st.floats().filter(lambda f: not 0 <= f <= 1).map(str),
                                st.text(max_size=10).filter(lambda s: not _good_fractions(s))))
+    if name == "plan":  # a fraction in (0, 1], or one letter of K, O, R per layer
+        return value(st.one_of(st.floats().filter(lambda f: not 0 < f <= 1).map(str),
+                               st.text(max_size=14).filter(lambda s: not _maybe_plan(s))))
     raise AssertionError(f"{command}: no bad values for {option}; add them to this test")
+
+
+def _maybe_plan(text: str) -> bool:
+    try:
+        return 0 < float(text) <= 1
+    except ValueError:
+        return bool(text) and set(text.upper()) <= set("KOR")  # letters only: their count decides
 
 
 def _bad_combination(command: str) -> list[st.SearchStrategy[list[str]]]:

@@ -766,7 +766,7 @@ def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", type=_plan_arg, metavar="FRACTION|LETTERS",
                         help="let the planner keep, offload or recompute each layer so that the saved activations' "
                              "predicted peak is at most FRACTION of keeping them all, or give the plan, one letter "
-                             "per layer of K, O, R (e.g. OORK); instead of --offload/--checkpoint")
+                             "per layer of K, O, R (e.g. OORK); instead of --offload/--checkpoint (default: none)")
     parser.add_argument("--cpu-params", action="store_true", default=None,
                         help="FSDP's CPUOffloadPolicy as well: sharded parameters and the optimizer on the host "
                              "(needs CUDA and --wrap fsdp)")
