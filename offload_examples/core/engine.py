@@ -154,7 +154,7 @@ class _StorageRecord:
         if any(t is not None and t._version != self.version for t in alive):
             raise in_place_error(self.layer)
 
-    def drop_device(self, capturing: bool) -> None:
+    def drop_device(self, capturing: bool, views_left: bool = True) -> None:
         """Steps 3 and 6: the home stream waits for the copies that read or wrote the GPU bytes,
         then they are dropped, so the allocator can reuse them on that stream without a race."""
         if self.device is None:
@@ -168,8 +168,9 @@ class _StorageRecord:
         # else the waits would cross a capture's edge, which CUDA forbids; they are not needed:
         # the device was synchronized before the capture, and a graph's copies finish inside it.
         self.device = None
-        if self.original is not None:  # keep its version counter, not its storage: in-place changes stay visible
-            self.witness, self.original = version_witness(self.original), None
+        if self.original is not None and views_left:  # keep its version counter, not its storage:
+            self.witness = version_witness(self.original)  # an in-place change is still caught at unpack
+        self.original = None
 
     def copy_in(self) -> None:
         """Step 4: allocate GPU bytes on the home stream and queue the host-to-device copy, or take
@@ -188,7 +189,7 @@ class _StorageRecord:
 
     def free(self, capturing: bool) -> None:
         """Step 6: give everything back once autograd no longer needs the storage."""
-        self.drop_device(capturing)
+        self.drop_device(capturing, views_left=False)  # nothing will be unpacked: no witness needed
         if self.host is not None:
             self.pool.give_back(self.host, self.reloaded or self.offloaded)
             self.host = None

@@ -672,8 +672,7 @@ def _measured_model(name: str, config: BenchConfig, device: torch.device, link: 
     """:func:`_bench_model`, and the device memory it left allocated (``left_allocated_bytes``)."""
     cuda = device.type == "cuda"
     before = torch.cuda.memory_allocated(device) if cuda else 0
-    out = _bench_model(name, config, device, link, bar, detail, plan_link)
-    _free()
+    out = _bench_model(name, config, device, link, bar, detail, plan_link)  # it frees its model on return
     out["left_allocated_bytes"] = torch.cuda.memory_allocated(device) - before if cuda else None
     return out
 
