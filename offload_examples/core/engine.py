@@ -59,12 +59,12 @@ from types import TracebackType
 import torch
 
 from .errors import (GraphCaptureError, OffloadWarning, aborted_step_error, capture_mismatch_error, in_place_error,
-                     nested_error, no_buffer_error, reload_never_started_error, timing_in_capture_error,
-                     too_many_entries_error)
+                     nested_error, no_buffer_error, reload_never_started_error, timing_in_capture_error)
+from .iteration import EngineIterations
 from .layer_state import ALLOWED_FROM, LayerState, LayerStats
 from .host_pool import HostBuffer, HostBufferPool, HostMemoryLimitError, NoFreeBufferError
 from .readouts import EngineReadouts, LayerCounts
-from .settings import EngineSettings
+from .settings import EngineSettings, checked_settings
 from .policy import (NOT_FROM_AUTOGRAD, OUTSIDE_SELECTION, KeptTensor as _Kept, ModuleSelection, StorageWeakRef,
                      held_elsewhere, keep_reason, mark_not_offload, version_witness)
 from .schedule import DefaultSchedule, ManualSchedule, SyncDictSchedule
@@ -221,7 +221,7 @@ class _SavedView:
                 pass
 
 
-class OffloadEngine(EngineReadouts, EngineSettings):
+class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
     """Context manager that offloads saved activations of selected layers.
 
     Enter it once per layer and pass each layer's output through :meth:`sync`; see
@@ -265,16 +265,8 @@ class OffloadEngine(EngineReadouts, EngineSettings):
         host_memory_limit: int | None = None,
         max_offload_bytes_per_layer: int | None = None,
     ):
-        if not isinstance(min_offload_bytes, int) or min_offload_bytes < 0:
-            raise ValueError(f"min_offload_bytes must be an int >= 0, got {min_offload_bytes!r}")
-        if max_offload_bytes_per_layer is not None and (
-                not isinstance(max_offload_bytes_per_layer, int) or max_offload_bytes_per_layer < 1):
-            raise ValueError(f"max_offload_bytes_per_layer must be an int >= 1 or None, got {max_offload_bytes_per_layer!r}")
-        if schedule is None:
-            schedule = ManualSchedule(model_layers)
-        elif model_layers is not None and model_layers != schedule.model_layers:
-            raise ValueError(f"model_layers={model_layers} disagrees with the schedule's {schedule.model_layers}")
-        self.schedule = schedule
+        self.schedule = schedule = checked_settings(schedule, model_layers, min_offload_bytes,
+                                                    max_offload_bytes_per_layer)
         self.model_layers = schedule.model_layers
         #: Start offloads, releases and reloads by hand (TE's ``ManualOffloadSynchronizer`` API).
         self.synchronizer = OffloadSynchronizer(self)
@@ -301,79 +293,6 @@ class OffloadEngine(EngineReadouts, EngineSettings):
     def capturing(self) -> bool:
         """Whether the current CUDA stream is being captured into a graph (never on the CPU)."""
         return self.streams.is_cuda and torch.cuda.is_current_stream_capturing()
-
-    def reset(self) -> None:
-        """Abandon the current iteration: give back its GPU copies and host buffers at once.
-
-        Call it when a step failed outside the context (between layers, in the loss, in the
-        optimizer) and the next step should start afresh. A backward of the abandoned step
-        raises a clear error instead of computing with freed memory.
-        """
-        if self._in_layer:
-            raise RuntimeError("reset() was called inside the offload context; call it between steps")
-        self._abort()
-
-    # ------------------------------------------------------------------ iterations
-    def _new_iteration(self) -> None:
-        """Forget the last iteration; its records that autograd still holds live on the host."""
-        with self._lock:
-            capturing = self.capturing()
-            for records in getattr(self, "_records", []):
-                for rec in records:
-                    if rec.host is not None:  # never-offloaded records keep their only copy
-                        rec.drop_device(capturing)
-            if self.iteration >= 0:  # a capture starting now takes its buffers from the free lists
-                self.pool.end_iteration(keep_free=capturing or self.pool.frozen)
-            self.iteration += 1
-            n = self.model_layers
-            self._records: list[list[_StorageRecord]] = [[] for _ in range(n)]
-            self._by_storage: list[dict[int, _StorageRecord]] = [{} for _ in range(n)]
-            self._seen: list[set[int]] = [set() for _ in range(n)]
-            self._by_impl: dict[int, list[_StorageRecord]] = {}  # StorageImpl (kept by the weak refs) -> records
-            self.layer_state = [LayerState.NOT_RUN] * n
-            self.stats = self.counts.new_iteration(getattr(self, "stats", []), getattr(self, "_entered", 0),
-                                                   [self.schedule.is_offloaded(j) for j in range(n)])
-            self.events, self.resident_trace, self.memory_trace = [], [], []  # the read-outs (EngineReadouts)
-            self.resident_bytes = 0
-            self.live_views = 0
-            self._entered = 0
-            self._backward_seen = False
-            self._backwards: set[int] = set()
-
-    def _abort(self) -> None:
-        """A step failed: give back every buffer and start afresh."""
-        if self.selection is not None:
-            self.selection.reset()
-        with self._lock:
-            capturing = self.capturing()
-            for records in self._records:
-                for rec in records:
-                    rec.aborted = True
-                    rec.free(capturing)
-            self._new_iteration()
-
-    def _iteration_over(self) -> bool:
-        """Whether the next entry of the context starts a new iteration."""
-        n = self.model_layers
-        if not self.schedule.interleaved:  # N forwards, then the backward: any backward ends the forwards
-            return self._backward_seen or self._entered == n
-        if self._entered < n:
-            return False
-        if len(self._backwards) == n:
-            return True
-        # Everything offloaded this iteration was dropped: the step ended without its backward, or
-        # its backward failed. (An iteration that offloaded nothing cannot tell that from a stray
-        # extra forward, which would shift every entry: it raises below.)
-        if self.live_views == 0 and (not self._backward_seen or any(self._records)):
-            return True
-        raise too_many_entries_error(n, sorted(set(range(n)) - self._backwards))
-
-    def _move(self, layer: int, to: LayerState, why: str) -> None:
-        """The one place a layer changes state; an illegal move raises with the schedule's words."""
-        state = self.layer_state[layer]
-        if state not in ALLOWED_FROM[to]:
-            raise RuntimeError(f"{self.schedule.describe(layer)}: {why}, but layer {layer} {state.value}")
-        self.layer_state[layer] = to
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> OffloadEngine:
@@ -597,18 +516,6 @@ class OffloadEngine(EngineReadouts, EngineSettings):
                 stats.offloaded_tensors += 1
             self.live_views += 1
             return _SavedView(rec, t, weakref.ref(self))
-
-    def _chosen(self, t: torch.Tensor, layer: int) -> bool:
-        """Whether ``t`` may be offloaded: saved inside a chosen module, and within the layer's byte cap
-        (a storage already offloaded rides along; a new one counts whole)."""
-        if self.selection is not None and not self.selection.active:
-            return False
-        cap = self.max_offload_bytes_per_layer
-        if cap is None or not self.schedule.is_offloaded(layer):
-            return True
-        storage = t.untyped_storage()
-        known = storage.data_ptr() in self._by_storage[layer]
-        return known or self.stats[layer].candidate_bytes + storage.nbytes() <= cap
 
     def _record_for(self, t: torch.Tensor, layer: int, deferred: bool) -> _StorageRecord:
         """The record of ``t``'s storage: found, or made (and, by default, copied out at once)."""

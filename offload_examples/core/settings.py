@@ -1,18 +1,38 @@
-"""What a user may change on an engine between steps: which modules offload, how the host pool grows.
+"""What a user sets on an engine: its checked arguments, which modules offload, how the host pool grows.
 
 :class:`~offload_examples.core.engine.OffloadEngine` derives from :class:`EngineSettings`. None of
-these run during a step's copies; they set what the next steps do.
+these run during a step's copies; they set what the next steps do, and which saved tensor may go.
 """
 
 from __future__ import annotations
 
 from typing import Iterable
 
+import torch
 from torch import nn
 
 from .policy import ModuleSelection
+from .schedule import DefaultSchedule, ManualSchedule, SyncDictSchedule
 
-__all__ = ["EngineSettings"]
+__all__ = ["EngineSettings", "checked_settings"]
+
+Schedule = DefaultSchedule | SyncDictSchedule | ManualSchedule
+
+
+def checked_settings(schedule: Schedule | None, model_layers: int | None, min_offload_bytes: int,
+                     max_offload_bytes_per_layer: int | None) -> Schedule:
+    """Refuse bad engine arguments with one clear error each; returns the schedule to follow
+    (a :class:`ManualSchedule` of ``model_layers`` when none is given)."""
+    if not isinstance(min_offload_bytes, int) or min_offload_bytes < 0:
+        raise ValueError(f"min_offload_bytes must be an int >= 0, got {min_offload_bytes!r}")
+    cap = max_offload_bytes_per_layer
+    if cap is not None and (not isinstance(cap, int) or cap < 1):
+        raise ValueError(f"max_offload_bytes_per_layer must be an int >= 1 or None, got {cap!r}")
+    if schedule is None:
+        return ManualSchedule(model_layers)
+    if model_layers is not None and model_layers != schedule.model_layers:
+        raise ValueError(f"model_layers={model_layers} disagrees with the schedule's {schedule.model_layers}")
+    return schedule
 
 
 class EngineSettings:
@@ -46,6 +66,18 @@ class EngineSettings:
         """
         self.offload_all_modules()
         self.selection = ModuleSelection(modules)
+
+    def _chosen(self, t: torch.Tensor, layer: int) -> bool:
+        """Whether ``t`` may be offloaded: saved inside a chosen module, and within the layer's byte cap
+        (a storage already offloaded rides along; a new one counts whole)."""
+        if self.selection is not None and not self.selection.active:
+            return False
+        cap = self.max_offload_bytes_per_layer
+        if cap is None or not self.schedule.is_offloaded(layer):
+            return True
+        storage = t.untyped_storage()
+        known = storage.data_ptr() in self._by_storage[layer]
+        return known or self.stats[layer].candidate_bytes + storage.nbytes() <= cap
 
     def offload_all_modules(self) -> None:
         """Offload what every module of an offloaded layer saves (the default)."""
