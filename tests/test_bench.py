@@ -296,3 +296,26 @@ def test_bench_short_gpu_run(tmp_path):
     curves = results["models"][0]["memory_curves"]
     assert max(curves["no offload"]["allocated"]) > max(curves["engine k=2"]["allocated"])
     _check_outputs(results, tmp_path)
+
+
+def test_engine_is_checked_against_transformer_engines_offload_and_its_code_path():
+    """Model A's targets compare the engine with TE's offload (saving and overhead, same run), and the
+    report says how TE's context alone changed the step (its layers take another attention path)."""
+    def run(strategy, k, overhead, saving=None):
+        return {"strategy": strategy, "k": k, "status": "ok", "overhead": overhead, "saving_bytes": saving,
+                "saving_ratio": 1.0, "step_over_bound": 1.0, "d2h_of_link": 1.0, "h2d_of_link": 1.0,
+                "peak_bytes": 1, "step_ms": 100 * (1 + overhead), "overhead_quartiles": (0.0, 0.1), "pairs": 4}
+    runs = [run("no offload", 0, 0.0, 0), run(bench.TE_CONTEXT_ONLY, 0, -0.08, 0),
+            run("engine", 2, 0.03, 2 * bench.GiB), run("transformer_engine", 2, 0.02, int(1.9 * bench.GiB)),
+            run("engine", 4, 0.10, 4 * bench.GiB), run("transformer_engine", 4, 0.12, 4 * bench.GiB)]
+    results = {"models": [{"model": "A", "runs": runs}], "link_gb_per_s": {"h2d": 50, "d2h": 50, "both": 90}}
+    checks = {c["target"]: c for c in bench.check_targets(results)}
+    assert checks["model A, k=2: saving >= Transformer Engine's (GiB)"]["met"]
+    assert not checks["model A, k=2: overhead <= Transformer Engine's"]["met"]  # +3 % against +2 %
+    assert checks["model A, k=4: overhead <= Transformer Engine's"]["met"]
+    assert checks["model A, k=4: saving >= Transformer Engine's (GiB)"]["met"]  # equal counts
+    assert checks["model A, k=2: overhead <= Transformer Engine's"]["detail"] == "TE's context alone: -8.0%"
+    (note,) = bench._te_path_note(runs)
+    assert "nothing offloaded a step took -8.0% against no offload" in note
+    assert "k = 2: +10.9%" in note and "k = 4: +21.7%" in note  # 1.02 / 0.92 - 1, 1.12 / 0.92 - 1
+    assert bench._te_path_note(runs[:1] + runs[2:]) == []  # without the context-only run: nothing to say

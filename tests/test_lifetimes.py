@@ -10,6 +10,7 @@ the default schedule, manual synchronization and a ``synchronization_dict``.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 
@@ -250,21 +251,27 @@ def test_reset_abandons_an_iteration(mode):
 
 # ---------------------------------------------------------------- 3. a failed device-to-host copy
 def _fail_next_device_to_host_copy(monkeypatch, ctx) -> list[int]:
-    """Make the next device-to-host copy raise; returns a list that receives the failed copy's bytes.
+    """Make the device-to-host copy of the next storage copied out raise, whenever it is tried again;
+    returns a list that receives that storage's bytes.
 
-    The engine copies through ``ctx.streams.copy``; f46a305 had no such method and called
-    ``host.data.copy_(device, non_blocking=True)`` in ``_StorageRecord.copy_out``, so there the
-    first such call (a forward makes no other) is made to fail instead.
+    The engine copies through ``ctx.streams.copy`` (one storage, or a layer's batch of them: a batch
+    that fails is retried one storage at a time, so only the failing one stays); f46a305 had no such
+    method and called ``host.data.copy_(device, non_blocking=True)`` in ``_StorageRecord.copy_out``,
+    so there the first such call (a forward makes no other) is made to fail instead.
     """
     failed: list[int] = []
     streams = ctx.streams
     if hasattr(type(streams), "copy"):
-        copy = streams.copy
+        copy, bad = streams.copy, []
 
         def failing_copy(dst, src, *, lane="", **kw):
-            if not failed and lane == "device-to-host":
-                failed.append(src.numel() * src.element_size())
-                raise RuntimeError("injected: device-to-host copy failed")
+            srcs = [src] if torch.is_tensor(src) else list(src)
+            if lane == "device-to-host":
+                if not bad:
+                    bad.append(srcs[0].data_ptr())
+                    failed.append(srcs[0].numel() * srcs[0].element_size())
+                if bad[0] in [t.data_ptr() for t in srcs]:
+                    raise RuntimeError("injected: device-to-host copy failed")
             return copy(dst, src, lane=lane, **kw)
 
         monkeypatch.setattr(streams, "copy", failing_copy)
@@ -822,3 +829,44 @@ def test_a_storage_aliased_through_dlpack_is_not_counted_as_the_engines():
     ctx, sync, synchronizer = make_ctx("default", min_offload_bytes=0)
     assert same(expected, run(model, x, ctx, sync, synchronizer))
     assert ctx.stats[0].held_bytes == 8 * 64 * 4  # y: still in the module's cache at the release
+
+
+class _StandInStream:
+    """Stands for a CUDA stream as a record's home on the CPU (hashable; never waited on there)."""
+
+
+@pytest.mark.parametrize("mode", ["dict", "manual"])
+def test_a_batch_that_raises_gives_back_the_buffers_of_the_batches_after_it(mode, monkeypatch):
+    """A layer's copies at its end go in one batch per home stream. When the first batch raises
+    something other than a ``RuntimeError`` (an interrupt), the buffers already borrowed for the other
+    batches go back to the pool too (a review found them lent forever)."""
+    import itertools
+
+    from offload_examples.core import engine as engine_module
+    from offload_examples.core.streams import Streams
+
+    homes, init = itertools.cycle([_StandInStream(), _StandInStream()]), engine_module._StorageRecord.__init__
+
+    def two_homes(self, *args):
+        init(self, *args)
+        self.home = next(homes)
+
+    monkeypatch.setattr(engine_module._StorageRecord, "__init__", two_homes)
+    monkeypatch.setattr(Streams, "on", staticmethod(lambda stream: contextlib.nullcontext()))
+    model, x = make_model(), data()
+    ctx, sync, synchronizer = make_ctx(mode, retain_pinned_cpu_buffers=True, min_offload_bytes=0)
+    run(model, x, ctx, sync, synchronizer)
+    assert len(ctx._records[0]) >= 2  # so that layer 0's records have both homes: two batches
+    copy, batches = ctx.streams.copy, []
+
+    def interrupted(dst, src, *, lane="", **kw):
+        if lane == "device-to-host" and not torch.is_tensor(dst):
+            batches.append(len(dst))
+            raise KeyboardInterrupt
+        return copy(dst, src, lane=lane, **kw)
+
+    monkeypatch.setattr(ctx.streams, "copy", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        forward(model, x, ctx, sync, synchronizer)
+    ctx.reset()
+    assert batches and ctx.pool.held_bytes == ctx.pool.free_bytes  # nothing lent: every buffer came back

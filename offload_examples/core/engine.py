@@ -14,7 +14,8 @@
    device-to-host stream, after that stream has waited for the home stream (the tensor has only
    just been written). An event marks the end of the copy. By default the copy is queued at once;
    tensors autograd did not make (intermediates of a custom ``autograd.Function``, caller data)
-   wait until the layer's forward ends, when the policy can tell the two apart.
+   wait until the layer's forward ends, when the policy can tell the two apart, and are then
+   copied in one batch with one event.
 3. **Released.** When the schedule says so (by default at the forward of layer ``N - k + i`` for
    layer ``i``), the home stream waits for the copy's event, on the device, and the engine drops
    its reference to the GPU memory, so the caching allocator can hand it to the next layer.
@@ -62,7 +63,7 @@ from .errors import (GraphCaptureError, OffloadWarning, aborted_step_error, capt
                      nested_error, no_buffer_error, reload_never_started_error, timing_in_capture_error)
 from .iteration import EngineIterations
 from .layer_state import ALLOWED_FROM, LayerState, LayerStats
-from .host_pool import HostBuffer, HostBufferPool, HostMemoryLimitError, NoFreeBufferError
+from .host_pool import HostBuffer, HostBufferPool, NoFreeBufferError
 from .readouts import EngineReadouts, LayerCounts
 from .settings import EngineSettings, checked_settings
 from .policy import (NOT_FROM_AUTOGRAD, OUTSIDE_SELECTION, KeptTensor as _Kept, ModuleSelection, StorageWeakRef,
@@ -118,30 +119,40 @@ class _StorageRecord:
         self.deferred = deferred
         self.tried = False  # a copy out was attempted (at most once)
 
-    def copy_out(self) -> None:
-        """Step 2: borrow a host buffer and queue the device-to-host copy.
-
-        Raises :class:`HostMemoryLimitError` (or the allocator's ``RuntimeError``) when no host
-        buffer can be had, and :class:`GraphCaptureError` when none may be made now; the storage
-        then simply stays on the device. The buffer is attached only once its copy is queued,
-        so a failed copy can never leave an unwritten buffer to be reloaded.
-        """
+    def borrow_host(self) -> HostBuffer:
+        """Step 2, first half: a host buffer for the copy. Raises :class:`HostMemoryLimitError` (or the
+        allocator's ``RuntimeError``) when none can be had, and :class:`GraphCaptureError` when none
+        may be made now; the storage then simply stays on the device."""
         self.tried = True
         try:
-            host = self.pool.acquire(self.nbytes, for_graph=self.captured)
+            return self.pool.acquire(self.nbytes, for_graph=self.captured)
         except NoFreeBufferError as err:
             raise no_buffer_error(self.layer, self.captured, err) from None
-        s = self.streams
-        # The tensor was just written on its home stream; the buffer's previous reload may still
-        # be reading it (not during a capture: the device was synchronized before it began).
-        after = (self.home,) if self.captured else (self.home, host.ready)
+
+    @staticmethod
+    def copy_out(records: list[_StorageRecord], hosts: list[HostBuffer]) -> list[_StorageRecord]:
+        """Step 2: queue the device-to-host copies of ``records`` (saved on one home stream) into ``hosts``.
+
+        The copies wait for the home stream (the tensors have only just been written) and for each
+        buffer's previous reload, which may still read it (not during a capture: the device was
+        synchronized before it began); they run back to back and one event marks their end. The
+        buffers are attached only once the copies are queued, so a failed copy can never leave an
+        unwritten buffer to be reloaded; on failure they go back to the pool. Returns ``records``.
+        """
+        first = records[0]
+        s = first.streams
+        after = (first.home,) if first.captured else (first.home, *(h.ready for h in hosts))
         try:
-            self.offloaded = s.copy(host.data, self.device, on=s.d2h, after=after, lane="device-to-host",
-                                    layer=self.layer)
+            done = s.copy([h.data for h in hosts], [r.device for r in records], on=s.d2h, after=after,
+                          lane="device-to-host", layer=first.layer)
         except BaseException:
-            self.pool.give_back(host, host.ready)  # nothing was queued on it
+            queued = Streams.now(s.d2h)  # the copies queued before the failure still write some buffers
+            for host in hosts:
+                first.pool.give_back(host, queued or host.ready)
             raise
-        self.host = host
+        for rec, host in zip(records, hosts):
+            rec.offloaded, rec.host = done, host
+        return records
 
     def check_capture(self, what: str, capturing: bool) -> None:
         """Refuse to mix a capture's records with work outside that capture (and vice versa)."""
@@ -375,7 +386,7 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
     # ------------------------------------------------------------------ the three actions
     def _start_offload(self, layer: int) -> None:
         """Step 2 for every record of ``layer`` not copied yet (all of them outside default mode)."""
-        stats = self.stats[layer]
+        stats, todo = self.stats[layer], []
         for rec in self._records[layer]:
             if rec.tried or rec.device is None:
                 continue
@@ -383,23 +394,37 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
                 rec.tried = True
                 stats.candidate_bytes -= rec.nbytes
                 continue
-            self._copy_out(rec)
+            todo.append(rec)
+        self._copy_out(todo)
         if not self.schedule.copy_on_save:  # by default the copies began as tensors were saved
             self.events.append(("offload_start", layer))
 
-    def _copy_out(self, rec: _StorageRecord) -> None:
+    def _copy_out(self, records: list[_StorageRecord]) -> None:
+        """Step 2 for ``records``: those that get a host buffer are copied, one batch per home stream
+        (a layer's copies at its end pay the stream switch, the waits and the event once)."""
+        batches: dict[torch.cuda.Stream | None, tuple[list[_StorageRecord], list[HostBuffer]]] = {}
+        pending = []  # the batches not copied yet: on any failure their buffers go back
         try:
-            rec.copy_out()
-        except GraphCaptureError:
+            for rec in records:  # a capture may refuse a buffer (GraphCaptureError) halfway
+                if (host := self._or_warn(rec.layer, rec.borrow_host)) is None:
+                    continue
+                if rec.home not in batches:
+                    batches[rec.home] = ([], [])
+                    pending.append(batches[rec.home])
+                batches[rec.home][0].append(rec)
+                batches[rec.home][1].append(host)
+            while pending:
+                recs, hosts = pending.pop(0)
+                copied = self._or_warn(recs[0].layer, _StorageRecord.copy_out, recs, hosts)
+                if copied is None and len(recs) > 1:  # one failed copy keeps only its own tensor: one by one
+                    pending[:0] = [([rec], [host]) for rec in recs
+                                   if (host := self._or_warn(rec.layer, rec.borrow_host)) is not None]
+                for rec in copied or ():
+                    self._count_offloaded(rec.layer, rec.nbytes, rec.views)
+        except BaseException:
+            for host in (h for _, hosts in pending for h in hosts):
+                self.pool.give_back(host, host.ready)
             raise
-        except (HostMemoryLimitError, RuntimeError) as err:
-            self._warn_once("host", f"keeping saved tensors of layer {rec.layer} on the device: {err}")
-            return
-        stats = self.stats[rec.layer]
-        stats.offloaded_storages += 1
-        stats.offloaded_bytes += rec.nbytes
-        stats.offloaded_tensors += rec.views
-        self.resident_bytes += rec.nbytes
 
     def _release(self, layer: int, why: str) -> bool:
         """Step 3: the home stream waits for the copies, then the GPU memory is dropped.
@@ -531,7 +556,7 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
         self._by_storage[layer][storage.data_ptr()] = rec
         self._by_impl.setdefault(rec.weak.cdata, []).append(rec)
         if self.schedule.copy_on_save and not deferred:
-            self._copy_out(rec)
+            self._copy_out([rec])
         return rec
 
     def _unpack(self, view: _SavedView | _Kept) -> torch.Tensor:
@@ -554,10 +579,8 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
     def _reload_on_demand(self, rec: _StorageRecord) -> None:
         if self.schedule.expects_reload(rec.layer) and rec.iteration == self.iteration:
             raise reload_never_started_error(self.schedule.describe(rec.layer), rec.layer)
-        self._warn_once(
-            "on_demand",
-            f"layer {rec.layer}'s saved tensors were reloaded on demand (no overlap): {self.schedule.reload_hint}",
-        )
+        self._warn_once("on_demand", f"layer {rec.layer}'s saved tensors were reloaded on demand (no overlap): "
+                                     f"{self.schedule.reload_hint}")
         with self._lock:
             self._reload([rec])
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from .errors import OffloadWarning
+from .errors import GraphCaptureError, OffloadWarning
 from .layer_state import LayerState, LayerStats
 from .schedule import ResidentTrace
 
@@ -104,10 +104,29 @@ class EngineReadouts:
             self._warn_once("no release", "no layer was released before the backward, so offloading saved no "
                             "GPU memory in this iteration (check num_layers and model_layers)")
 
+    def _count_offloaded(self, layer: int, nbytes: int, views: int) -> None:
+        """A storage of ``layer`` was copied out: it counts as offloaded, and as resident until released."""
+        stats = self.stats[layer]
+        stats.offloaded_storages += 1
+        stats.offloaded_bytes += nbytes
+        stats.offloaded_tensors += views
+        self.resident_bytes += nbytes
+
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(message, OffloadWarning, stacklevel=3)
+
+    def _or_warn(self, layer: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, or ``None`` with a warning when host memory could not be had (the tensors stay
+        on the device). A :class:`~offload_examples.GraphCaptureError` is raised: a capture must fail."""
+        try:
+            return fn(*args)
+        except GraphCaptureError:
+            raise
+        except RuntimeError as err:  # HostMemoryLimitError, the allocator's, or the copy's own
+            self._warn_once("host", f"keeping saved tensors of layer {layer} on the device: {err}")
+            return None
 
 
 def _outer_hooks_active() -> bool:

@@ -25,7 +25,7 @@ the same lines with or without a GPU.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Protocol, Union
+from typing import Protocol, Sequence, Union
 
 import torch
 
@@ -83,17 +83,13 @@ class Streams:
         """The compute stream: whatever stream the caller is running on now."""
         return torch.cuda.current_stream(self.device) if self.is_cuda else None
 
-    @contextlib.contextmanager
-    def on(self, stream: torch.cuda.Stream | None) -> Iterator[None]:
+    @staticmethod
+    def on(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
         """Make ``stream`` current inside the block (allocations there belong to it)."""
-        if stream is None:
-            yield
-        else:
-            with torch.cuda.stream(stream):
-                yield
+        return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, on: torch.cuda.Stream | None,
-             after: After | tuple[After, ...], lane: str = "", layer: int = -1,
+    def copy(self, dst: torch.Tensor | Sequence[torch.Tensor], src: torch.Tensor | Sequence[torch.Tensor], *,
+             on: torch.cuda.Stream | None, after: After | tuple[After, ...], lane: str = "", layer: int = -1,
              src_owned_elsewhere: bool = False) -> torch.cuda.Event | None:
         """Copy ``src`` into ``dst`` on stream ``on`` once ``after`` is done; return the copy's end event.
 
@@ -102,7 +98,11 @@ class Streams:
         event has been waited for by the stream that frees them (:meth:`fence`). When the caller
         cannot promise that for ``src`` (``src_owned_elsewhere``: a gradient the user may free
         with ``zero_grad``), the copy stream's use of it is marked on the allocator instead.
+        ``dst`` and ``src`` may be equally long sequences: the copies are queued back to back, after
+        the same waits, and one event marks the end of them all (a layer's copies at its end pay the
+        stream switch, the waits and the event once: host time a launch-bound step feels).
         """
+        pairs = [(dst, src)] if isinstance(dst, torch.Tensor) else list(zip(dst, src, strict=True))
         if on is not None:
             for producer in after if isinstance(after, tuple) else (after,):
                 if isinstance(producer, torch.cuda.Event):
@@ -112,12 +112,13 @@ class Streams:
         observer = self.observer
         start = observer.mark(on) if observer else None  # after the waits: when the copy can begin
         with self.on(on), torch.no_grad():
-            dst.copy_(src, non_blocking=on is not None)
-        if src_owned_elsewhere and on is not None and src.is_cuda:
-            src.record_stream(on)
+            for d, s in pairs:
+                d.copy_(s, non_blocking=on is not None)
+                if src_owned_elsewhere and on is not None and s.is_cuda:
+                    s.record_stream(on)
         done = on.record_event() if on is not None else None
         if observer:
-            observer.add_copy(lane, layer, start, observer.mark(on), dst.numel() * dst.element_size())
+            observer.add_copy(lane, layer, start, observer.mark(on), sum(d.numel() * d.element_size() for d, _ in pairs))
         return done
 
     @staticmethod

@@ -303,12 +303,31 @@ def _summary(choices: tuple[Choice, ...]) -> str:
     return ", ".join(f"{c.value} {choices.count(c)}" for c in Choice if c in choices)
 
 
+def _undo_free_recomputations(choices: tuple[Choice, ...], costs: Sequence[LayerCost], link: LinkCost,
+                              base_bytes: int, rounded_ms: float, peak: int) -> tuple[Choice, ...]:
+    """``choices`` with every RECOMPUTE turned back into KEEP where that costs neither time nor peak.
+
+    The search drops a state when another holds fewer bytes at equal time and peak; a recomputation
+    that frees bytes no later layer needs can so win a tie with KEEP. Undoing it here makes the
+    documented tie-break (fewer changes) hold for every plan.
+    """
+    out = list(choices)
+    for i, c in enumerate(out):
+        if c is RECOMPUTE:
+            trial = out[:i] + [KEEP] + out[i + 1:]
+            p, ms = simulate_plan(trial, costs, link, base_bytes)
+            if p <= peak and round(ms, _DECIMALS) <= rounded_ms:
+                out = trial
+    return tuple(out)
+
+
 def plan(costs: Sequence[LayerCost], link: LinkCost, budget_bytes: int, base_bytes: int = 0,
          prefix_only: bool = True) -> Plan:
     """The fastest predicted plan whose predicted peak is <= ``budget_bytes``.
 
-    Ties go to the lower peak, then (among the plans the search kept) to fewer layers changed from
-    KEEP, so a budget no plan beats on time and peak gives every layer KEEP. No plan fitting gives
+    Step times are compared rounded to ``10**-_DECIMALS`` ms. Ties go to the lower peak, then to fewer
+    layers changed from KEEP (a RECOMPUTE that buys neither time nor peak is undone), so a budget no
+    plan beats on time and peak gives every layer KEEP. No plan fitting gives
     ``feasible=False``, the lowest-peak plan, and ``why``.
 
     Algorithm (``prefix_only=True``, the sets the engine runs): for each ``k`` in ``0 .. N-1`` the
@@ -341,7 +360,9 @@ def plan(costs: Sequence[LayerCost], link: LinkCost, budget_bytes: int, base_byt
     _check("plan", "budget_bytes", budget_bytes, int)
     front = _front(costs, link, base_bytes, budget_bytes, prefix_only)
     if front:
-        _, peak, _, ms, ch = front[0]
+        rounded, peak, _, ms, ch = front[0]
+        ch = _undo_free_recomputations(ch, costs, link, base_bytes, rounded, peak)
+        peak, ms = simulate_plan(ch, costs, link, base_bytes)
         return Plan(ch, peak, ms, True, "", budget_bytes)
     _, peak, _, ms, ch = min(_front(costs, link, base_bytes, math.inf, prefix_only), key=lambda p: p[1::-1])
     if base_bytes > budget_bytes:
