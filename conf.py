@@ -55,6 +55,10 @@ stored_sources = {
     "gpu-session2": "docs/runs/2026-11-23-h100-session2/README.md",
     "gpu-session3": "docs/runs/2026-11-23-h100-session3/README.md",
     "gpu-session4": "docs/runs/2026-11-24-h100-session4/README.md",
+    # model A on TE layers, 20 layers, engine / TE's offload / TE's context alone, one run (docs/benchmarks.md)
+    "te-bench5": "docs/runs/2026-11-24-h100-session5/bench_A20/bench.json#models[A]",
+    "te-bench5-md": "docs/runs/2026-11-24-h100-session5/bench_A20/bench.md",
+    "gpu-session5": "docs/runs/2026-11-24-h100-session5/README.md",
 }
 
 extensions = [
