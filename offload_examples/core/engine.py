@@ -141,7 +141,8 @@ class _StorageRecord:
         """
         first = records[0]
         s = first.streams
-        after = (first.home,) if first.captured else (first.home, *(h.ready for h in hosts))
+        # buffers freed together share one ready event: wait for each event once
+        after = (first.home,) if first.captured else (first.home, *dict.fromkeys(h.ready for h in hosts))
         try:
             done = s.copy([h.data for h in hosts], [r.device for r in records], on=s.d2h, after=after,
                           lane="device-to-host", layer=first.layer)

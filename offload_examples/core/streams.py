@@ -99,8 +99,8 @@ class Streams:
         cannot promise that for ``src`` (``src_owned_elsewhere``: a gradient the user may free
         with ``zero_grad``), the copy stream's use of it is marked on the allocator instead.
         ``dst`` and ``src`` may be equally long sequences: the copies are queued back to back, after
-        the same waits, and one event marks the end of them all (a layer's copies at its end pay the
-        stream switch, the waits and the event once: host time a launch-bound step feels).
+        the same waits, and one event marks the end of them all (the stream switch, the waits and the
+        event are paid once per batch).
         """
         pairs = [(dst, src)] if isinstance(dst, torch.Tensor) else list(zip(dst, src, strict=True))
         if on is not None:

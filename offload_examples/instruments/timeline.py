@@ -207,7 +207,8 @@ def record_layer_timeline(fn: Callable[[], object], engine: OffloadEngine) -> li
     Forward and backward spans come from marks on the compute stream at the start of each
     layer's phase; the time the compute stream spent waiting for copies before a phase (a
     release in the forward) is a separate ``"wait"`` span; every device-to-host and
-    host-to-device copy is a span of its own with its layer and size. For a run without
+    host-to-device copy is a span of its own with its layer and size (the copies a layer queues
+    together at the end of its forward make one span, of their total size). For a run without
     offloading, give an engine with ``num_layers=0``: the same hooks, no copies.
     """
     recorder = StepRecorder(engine.device)
