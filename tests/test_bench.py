@@ -156,12 +156,13 @@ def test_copy_bound_by_hand():
     fwd, bwd = [1.0, 1.0], [2.0, 2.0]
     # infinitely fast copies: compute alone
     assert s.predict_step_ms(fwd, bwd, [10**6, 0], 1e12, 1e12) == pytest.approx(6.0)
-    # 1 ms each way: the copy out fits under F0, the reload under B1
-    assert s.predict_step_ms(fwd, bwd, [10**6, 0], 1.0, 1.0) == pytest.approx(6.0)
-    # 2 ms each way: F1 waits 1 ms for the copy out (t=3); the reload (3..5) ends with B1
-    assert s.predict_step_ms(fwd, bwd, [2 * 10**6, 0], 1.0, 1.0) == pytest.approx(7.0)
-    # 3 ms each way: F1 waits 2 ms (t=4), B1 ends at 6 but the reload only at 7
-    assert s.predict_step_ms(fwd, bwd, [3 * 10**6, 0], 1.0, 1.0) == pytest.approx(9.0)
+    # copies out start when F0 ends (t=1), and F1 releases layer 0 at once: it waits for the copy
+    # 1 ms each way: F1 waits until t=2; the reload (3..4) hides under B1 (3..5)
+    assert s.predict_step_ms(fwd, bwd, [10**6, 0], 1.0, 1.0) == pytest.approx(7.0)
+    # 2 ms each way: F1 waits until t=3; the reload (4..6) ends with B1
+    assert s.predict_step_ms(fwd, bwd, [2 * 10**6, 0], 1.0, 1.0) == pytest.approx(8.0)
+    # 3 ms each way: F1 waits until t=4; B1 ends at 7 but the reload only at 8
+    assert s.predict_step_ms(fwd, bwd, [3 * 10**6, 0], 1.0, 1.0) == pytest.approx(10.0)
     assert DefaultSchedule(0, 2).predict_step_ms(fwd, bwd, [0, 0], 1.0, 1.0) == pytest.approx(6.0)
     with pytest.raises(ValueError, match="one per layer"):
         s.predict_step_ms([1.0], bwd, [0, 0], 1.0, 1.0)

@@ -72,6 +72,8 @@ def expected_events(n: int, k: int) -> list[tuple[str, int]]:
             if j == n - k + i:  # layer i must be finished and released before forward N-k+i
                 events += [("offload_finished", i), ("release", i)]
         events.append(("forward", j))
+        if j < k:  # layer j's copies out are queued when its forward ends
+            events.append(("offload_start", j))
     for j in reversed(range(n)):
         events.append(("backward", j))
         for i in range(k):

@@ -10,12 +10,14 @@
    copied once and views come back sharing memory. Autograd keeps a small :class:`_SavedView`.
    The record remembers the stream the tensor was saved on, its *home*: autograd runs the
    backward of an operation on the stream its forward ran on, so that is where it will be read.
-2. **Copied out.** The record copies the storage's bytes into a pinned host buffer on the
-   device-to-host stream, after that stream has waited for the home stream (the tensor has only
-   just been written). An event marks the end of the copy. By default the copy is queued at once;
-   tensors autograd did not make (intermediates of a custom ``autograd.Function``, caller data)
-   wait until the layer's forward ends, when the policy can tell the two apart, and are then
-   copied in one batch with one event.
+2. **Copied out.** When the layer's forward ends (in manual mode: when the caller says so), each
+   record copies its storage's bytes into a pinned host buffer on the device-to-host stream, after
+   that stream has waited for the home stream (the tensors have only just been written). The
+   layer's copies are queued in one batch, and one event marks the end of them all: on a
+   launch-bound step, a stream switch, a wait and an event per tensor cost more host time than the
+   copies themselves. The copies then run under the next layers' compute. Waiting for the end of
+   the forward also lets the policy tell tensors autograd did not make (intermediates of a custom
+   ``autograd.Function``) from caller data, which something else still holds: those stay.
 3. **Released.** When the schedule says so (by default at the forward of layer ``N - k + i`` for
    layer ``i``), the home stream waits for the copy's event, on the device, and the engine drops
    its reference to the GPU memory, so the caching allocator can hand it to the next layer.
@@ -88,17 +90,18 @@ class _StorageRecord:
 
     __slots__ = ("streams", "pool", "layer", "iteration", "nbytes", "home", "device", "original", "version",
                  "original_ref", "witness", "weak", "address", "host", "offloaded", "reloaded", "views", "aborted", "captured",
-                 "deferred", "tried")
+                 "not_from_autograd", "tried")
 
-    def __init__(self, engine: OffloadEngine, layer: int, t: torch.Tensor, deferred: bool):
+    def __init__(self, engine: OffloadEngine, layer: int, t: torch.Tensor, not_from_autograd: bool,
+                 home: torch.cuda.Stream | None, captured: bool):
         storage = t.untyped_storage()
         self.streams, self.pool = engine.streams, engine.pool
         self.layer, self.iteration = layer, engine.iteration
-        self.nbytes = storage.nbytes()
+        self.nbytes = nbytes = storage.nbytes()
         #: The stream the tensor was saved on: its backward reads it there, its reload is allocated there.
-        self.home = engine.streams.current()
+        self.home = home
         #: Flat uint8 view of the whole storage on the device, or None while it lives on the host.
-        self.device: torch.Tensor | None = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+        self.device: torch.Tensor | None = t.new_empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
         # Held (detached: same storage and version counter, no grad_fn) until release, so that an
         # in-place change can be detected; then only weakly.
         self.original: torch.Tensor | None = t.detach()
@@ -114,9 +117,9 @@ class _StorageRecord:
         self.views = 0
         self.aborted = False
         #: Made while a CUDA graph was being captured: it lives only inside that graph.
-        self.captured = engine.capturing()
+        self.captured = captured
         #: Made by an op autograd does not see into: copied only if nothing else holds the storage.
-        self.deferred = deferred
+        self.not_from_autograd = not_from_autograd
         self.tried = False  # a copy out was attempted (at most once)
 
     def borrow_host(self) -> HostBuffer:
@@ -212,7 +215,7 @@ class _SavedView:
 
     __slots__ = ("record", "engine_ref", "dtype", "size", "stride", "offset")
 
-    def __init__(self, record: _StorageRecord, t: torch.Tensor, engine_ref: weakref.ref):
+    def __init__(self, record: _StorageRecord, t: torch.Tensor, engine_ref: weakref.ref[OffloadEngine]):
         self.record, self.engine_ref = record, engine_ref
         self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
         record.views += 1
@@ -243,8 +246,8 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
     ----------
     schedule:
         Which layers are offloaded and when they are released and reloaded: a
-        :class:`~offload_examples.DefaultSchedule` (copies start as tensors are saved), a
-        :class:`~offload_examples.SyncDictSchedule` (copies start when a layer's forward ends),
+        :class:`~offload_examples.DefaultSchedule`, a
+        :class:`~offload_examples.SyncDictSchedule` (copies start when a layer's forward ends in both),
         or a :class:`~offload_examples.core.schedule.ManualSchedule` (``None`` builds one from
         ``model_layers``): nothing happens until :attr:`synchronizer`'s methods are called.
     model_layers:
@@ -291,6 +294,7 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
             pin_memory=device.type == "cuda", retain=retain_pinned_cpu_buffers, limit_bytes=host_memory_limit
         )
         self.record_memory = False
+        self._ref = weakref.ref(self)  # what each saved view holds: the engine is not kept alive by autograd
         self._lock = threading.RLock()  # views die and backward hooks run on autograd's threads
         self._warned: set[str] = set()
         self.iteration = -1
@@ -316,7 +320,7 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
         self._passthrough = False
         if getattr(_active, "engine", None) is not None:
             raise nested_error()
-        if self.capturing() and self.recorder is not None:
+        if self.recorder is not None and self.capturing():
             raise timing_in_capture_error()
         with self._lock:
             try:
@@ -381,24 +385,23 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
         if self._entered == 0:
             raise RuntimeError("sync was called before any layer ran inside the offload context")
         self.counts.output(self._entered - 1, x)
-        x.register_hook(functools.partial(_grad_hook, weakref.ref(self), self.iteration, self._entered - 1))
+        x.register_hook(functools.partial(_grad_hook, self._ref, self.iteration, self._entered - 1))
         return x
 
     # ------------------------------------------------------------------ the three actions
     def _start_offload(self, layer: int) -> None:
-        """Step 2 for every record of ``layer`` not copied yet (all of them outside default mode)."""
+        """Step 2 for every record of ``layer`` not copied yet."""
         stats, todo = self.stats[layer], []
         for rec in self._records[layer]:
             if rec.tried or rec.device is None:
                 continue
-            if rec.deferred and held_elsewhere(rec.device, ours=2):  # caller data: a copy frees nothing
+            if rec.not_from_autograd and held_elsewhere(rec.device, ours=2):  # caller data: a copy frees nothing
                 rec.tried = True
                 stats.candidate_bytes -= rec.nbytes
                 continue
             todo.append(rec)
         self._copy_out(todo)
-        if not self.schedule.copy_on_save:  # by default the copies began as tensors were saved
-            self.events.append(("offload_start", layer))
+        self.events.append(("offload_start", layer))
 
     def _copy_out(self, records: list[_StorageRecord]) -> None:
         """Step 2 for ``records``: those that get a host buffer are copied, one batch per home stream
@@ -525,8 +528,8 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
             self._warn_once("subclass", f"{reason} is not offloaded")
         if (reason is None or reason == NOT_FROM_AUTOGRAD) and not self._chosen(t, layer):
             reason = OUTSIDE_SELECTION
-        deferred = reason == NOT_FROM_AUTOGRAD
-        if reason is not None and not deferred:
+        not_from_autograd = reason == NOT_FROM_AUTOGRAD
+        if reason is not None and not not_from_autograd:
             stats.kept_tensors += 1
             return _Kept(t, layer)
         if not self.schedule.is_offloaded(layer):
@@ -537,27 +540,23 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
             stats.kept_tensors += 1
             return _Kept(t, layer)
         with self._lock:
-            rec = self._record_for(t, layer, deferred)
-            if rec.host is not None:  # already copied out: this view rides along
-                stats.offloaded_tensors += 1
+            rec = self._record_for(t, layer, not_from_autograd)
             self.live_views += 1
-            return _SavedView(rec, t, weakref.ref(self))
+            return _SavedView(rec, t, self._ref)
 
-    def _record_for(self, t: torch.Tensor, layer: int, deferred: bool) -> _StorageRecord:
-        """The record of ``t``'s storage: found, or made (and, by default, copied out at once)."""
+    def _record_for(self, t: torch.Tensor, layer: int, not_from_autograd: bool) -> _StorageRecord:
+        """The record of ``t``'s storage: found, or made (its copy waits for the end of the layer)."""
         storage = t.untyped_storage()
         known = self._by_storage[layer].get(storage.data_ptr())
         if known is not None and known.device is not None and known.nbytes == storage.nbytes():
             if known.version != t._version:
                 raise in_place_error(layer)
             return known
-        rec = _StorageRecord(self, layer, t, deferred)
+        rec = _StorageRecord(self, layer, t, not_from_autograd, self.streams.current(), self.capturing())
         self.stats[layer].candidate_bytes += rec.nbytes
         self._records[layer].append(rec)
         self._by_storage[layer][storage.data_ptr()] = rec
         self._by_impl.setdefault(rec.weak.cdata, []).append(rec)
-        if self.schedule.copy_on_save and not deferred:
-            self._copy_out([rec])
         return rec
 
     def _unpack(self, view: _SavedView | _Kept) -> torch.Tensor:
@@ -573,9 +572,8 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
         if rec.device is None:
             self._reload_on_demand(rec)
         Streams.use(rec.device, rec.reloaded, self.streams.current())  # only this tensor's copy
-        return torch.empty(0, dtype=view.dtype, device=self.device).set_(
-            rec.device.untyped_storage(), view.offset, view.size, view.stride
-        )
+        return rec.device.new_empty(0, dtype=view.dtype).set_(rec.device.untyped_storage(), view.offset, view.size,
+                                                              view.stride)
 
     def _reload_on_demand(self, rec: _StorageRecord) -> None:
         if self.schedule.expects_reload(rec.layer) and rec.iteration == self.iteration:

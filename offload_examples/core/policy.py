@@ -14,8 +14,8 @@ gives its GPU memory back. That is not so for
 The last kind cannot be recognised from autograd's metadata alone: inside a custom
 ``autograd.Function.forward`` (Transformer Engine's modules, fused kernels) *every* intermediate
 looks like caller data (no ``grad_fn``, no ``requires_grad``). So such tensors are
-:data:`NOT_FROM_AUTOGRAD`: the engine postpones their copy to the end of the layer's forward
-and then asks the storage itself how many references it has (:func:`held_elsewhere`). An
+:data:`NOT_FROM_AUTOGRAD`: when the layer's forward ends and the engine queues its copies, it
+asks the storage itself how many references it has (:func:`held_elsewhere`). An
 intermediate of a finished ``forward`` is referenced only by what autograd saved; caller data
 has one more holder, and stays.
 """
@@ -50,8 +50,13 @@ def mark_not_offload(*tensors: torch.Tensor) -> None:
         setattr(t, _KEEP_ATTR, True)
 
 
+def _is_parameter(x: torch.Tensor) -> bool:
+    # a plain tensor is no Parameter; the isinstance check (a Python metaclass hook) is the slow part
+    return type(x) is not torch.Tensor and isinstance(x, torch.nn.Parameter)
+
+
 def _is_leaf_weight(x: torch.Tensor) -> bool:
-    return isinstance(x, torch.nn.Parameter) or (x.requires_grad and x.grad_fn is None and x._base is None)
+    return _is_parameter(x) or (x.requires_grad and x.grad_fn is None and x._base is None)
 
 
 def is_weight_like(t: torch.Tensor) -> bool:
@@ -84,7 +89,8 @@ def keep_reason(t: torch.Tensor, device: torch.device, min_bytes: int) -> str | 
     """Why ``t`` stays on the device, :data:`NOT_FROM_AUTOGRAD`, or ``None`` to offload it."""
     if t.device != device:
         return "on another device"
-    if getattr(t, _KEEP_ATTR, False) or (t._base is not None and getattr(t._base, _KEEP_ATTR, False)):
+    base = t._base
+    if getattr(t, _KEEP_ATTR, False) or (base is not None and getattr(base, _KEEP_ATTR, False)):
         return "marked with mark_not_offload"
     if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
         return f"tensor subclass {type(t).__name__}"
@@ -95,7 +101,7 @@ def keep_reason(t: torch.Tensor, device: torch.device, min_bytes: int) -> str | 
     nbytes = t.untyped_storage().nbytes()
     if nbytes == 0 or nbytes < min_bytes:
         return "smaller than min_offload_bytes"
-    if _from_autograd(t) or (t._base is not None and _from_autograd(t._base)):
+    if _from_autograd(t) or (base is not None and _from_autograd(base)):
         return None
     return NOT_FROM_AUTOGRAD
 

@@ -55,9 +55,7 @@ class DefaultSchedule:
 
     #: Each iteration is N forwards then N backwards, so the first backward ends the forwards.
     interleaved = False
-    #: Copy each tensor out as soon as it is saved (the layer is known to be offloaded).
-    copy_on_save = True
-    #: Queue the copies still pending (tensors decided at the end of the layer) when the forward ends.
+    #: Queue the layer's copies out when its forward ends (the manual schedule waits for its caller).
     offload_at_exit = True
     #: The synchronizer's methods may not drive it.
     hand_driven = False
@@ -147,8 +145,7 @@ class DefaultSchedule:
         Walks one iteration in order. Compute runs back to back except where the schedule makes
         it wait: a release waits for that layer's device-to-host copy, a backward for its
         host-to-device copy. Copies run one at a time per direction at full bandwidth; a layer's
-        copy out starts, at best, when its forward starts (tensors are copied as they are saved)
-        and cannot end before that forward does. This is the bound the copy bandwidth sets: no
+        copy out starts, at best, when its forward ends (the engine queues a layer's copies then). This is the bound the copy bandwidth sets: no
         engine that keeps this schedule's memory can do better on this hardware.
 
         Parameters
@@ -178,9 +175,9 @@ class DefaultSchedule:
                     copied_in[i] = h2d_free
             if phase == "backward" and j in copied_in:
                 t = max(t, copied_in[j])
-            start, t = t, t + (forward_ms[j] if phase == "forward" else backward_ms[j])
+            t += forward_ms[j] if phase == "forward" else backward_ms[j]
             if phase == "forward" and self.is_offloaded(j):
-                d2h_free = max(max(d2h_free, start) + offloaded_bytes[j] / (d2h_gb_per_s * 1e6), t)
+                d2h_free = max(d2h_free, t) + offloaded_bytes[j] / (d2h_gb_per_s * 1e6)
                 copied_out[j] = d2h_free
         return t
 
@@ -220,7 +217,6 @@ class SyncDictSchedule:
 
     #: Forwards and backwards may interleave: an iteration ends after ``N`` forwards.
     interleaved = True
-    copy_on_save = False
     offload_at_exit = True
     hand_driven = True  # the dict drives the synchronizer
     strict = True  # a trigger that finds its layer elsewhere is a wrong dict: it raises
@@ -326,7 +322,6 @@ class ManualSchedule:
     model_layers: int
 
     interleaved = True
-    copy_on_save = False
     offload_at_exit = False
     hand_driven = True
     strict = True

@@ -31,6 +31,11 @@ import torch
 
 __all__ = ["CopyObserver", "Streams", "resolve_device"]
 
+# ``torch.cuda.current_stream`` builds a new Stream object on every call, which costs more host time
+# than anything else the engine does per saved tensor. This read-out of the same value (the stream's
+# id, device and type) builds nothing; where it is missing, the public call is used.
+_current_stream_key = getattr(torch._C, "_cuda_getCurrentStream", None)
+
 #: What a copy can be ordered after: all work queued on a stream so far, or one event.
 After = Union[torch.cuda.Stream, torch.cuda.Event, None]
 
@@ -78,15 +83,31 @@ class Streams:
             self.d2h = self.h2d = None
         #: Set to time every copy (the timeline's recorder); ``None`` costs nothing.
         self.observer: CopyObserver | None = None
+        # (key, stream) of the last current stream seen, replaced as one object: threads (autograd's
+        # run backward) may call current() at the same time, each with its own current stream.
+        self._last_current: tuple[tuple, torch.cuda.Stream] | None = None
 
     def current(self) -> torch.cuda.Stream | None:
         """The compute stream: whatever stream the caller is running on now."""
-        return torch.cuda.current_stream(self.device) if self.is_cuda else None
+        if not self.is_cuda:
+            return None
+        if _current_stream_key is None:
+            return torch.cuda.current_stream(self.device)
+        key = _current_stream_key(self.device.index)
+        last = self._last_current
+        if last is not None and last[0] == key:
+            return last[1]
+        stream = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+        self._last_current = (key, stream)
+        return stream
 
-    @staticmethod
-    def on(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
-        """Make ``stream`` current inside the block (allocations there belong to it)."""
-        return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+    def on(self, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+        """Make ``stream`` (one of this device's) current inside the block: allocations there belong to it."""
+        if stream is None:
+            return contextlib.nullcontext()
+        if torch.cuda.current_device() != self.device.index:  # torch.cuda.stream also restores the device
+            return torch.cuda.stream(stream)
+        return _OnStream(stream, self.current())
 
     def copy(self, dst: torch.Tensor | Sequence[torch.Tensor], src: torch.Tensor | Sequence[torch.Tensor], *,
              on: torch.cuda.Stream | None, after: After | tuple[After, ...], lane: str = "", layer: int = -1,
@@ -102,7 +123,7 @@ class Streams:
         the same waits, and one event marks the end of them all (the stream switch, the waits and the
         event are paid once per batch).
         """
-        pairs = [(dst, src)] if isinstance(dst, torch.Tensor) else list(zip(dst, src, strict=True))
+        pairs = ((dst, src),) if isinstance(dst, torch.Tensor) else tuple(zip(dst, src, strict=True))
         if on is not None:
             for producer in after if isinstance(after, tuple) else (after,):
                 if isinstance(producer, torch.cuda.Event):
@@ -111,12 +132,14 @@ class Streams:
                     on.wait_stream(producer)
         observer = self.observer
         start = observer.mark(on) if observer else None  # after the waits: when the copy can begin
-        with self.on(on), torch.no_grad():
+        # A copy into or out of a tensor that requires grad would be recorded by autograd.
+        tracked = any(d.requires_grad or s.requires_grad for d, s in pairs)
+        with self.on(on), (torch.no_grad() if tracked else contextlib.nullcontext()):
             for d, s in pairs:
                 d.copy_(s, non_blocking=on is not None)
                 if src_owned_elsewhere and on is not None and s.is_cuda:
                     s.record_stream(on)
-        done = on.record_event() if on is not None else None
+            done = on.record_event() if on is not None else None
         if observer:
             observer.add_copy(lane, layer, start, observer.mark(on), sum(d.numel() * d.element_size() for d, _ in pairs))
         return done
@@ -149,3 +172,19 @@ class Streams:
     def now(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
         """An event marking everything queued on ``stream`` so far (``None`` on the CPU)."""
         return stream.record_event() if stream is not None else None
+
+
+class _OnStream:
+    """``torch.cuda.stream(stream)`` for a stream of the current device, whose current stream is
+    ``previous``: the same switch and switch back, without looking the current stream up again."""
+
+    __slots__ = ("stream", "previous")
+
+    def __init__(self, stream: torch.cuda.Stream, previous: torch.cuda.Stream):
+        self.stream, self.previous = stream, previous
+
+    def __enter__(self) -> None:
+        torch.cuda.set_stream(self.stream)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.set_stream(self.previous)

@@ -6,7 +6,7 @@ The step modelled is :class:`~offload_examples.core.schedule.DefaultSchedule`'s:
 - ``KEEP``: its ``saved_bytes`` stay on the device from its forward to the end of its backward.
 - ``RECOMPUTE``: only its ``input_bytes`` stay; its backward first re-runs the forward (``forward_ms``
   more) and holds ``saved_bytes`` on top of the input while it runs.
-- ``OFFLOAD``: its ``saved_bytes`` are copied out from the start of its forward and released, and
+- ``OFFLOAD``: its ``saved_bytes`` are copied out from the end of its forward and released, and
   reloaded, at :class:`SubsetSchedule`'s points (for the first ``k`` layers these are exactly
   ``DefaultSchedule(k, N)``'s; :func:`apply_plan` runs any set on the engine). A release waits for its copy
   out, a backward for its reload; copies run one at a time per direction
