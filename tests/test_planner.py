@@ -7,6 +7,7 @@ whose times and copy times are small dyadic numbers, so every sum is exact and t
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -45,7 +46,10 @@ def instance(data, exact: bool, max_layers: int = 6):
         bw = st.sampled_from([0.5, 1.0, 2.0, 4.0])
     else:
         ms, nbytes, bw = st.floats(0.0, 10.0), st.integers(0, 10**8), st.floats(0.5, 50.0)
-    costs = [LayerCost(data.draw(ms), data.draw(ms), data.draw(nbytes), data.draw(nbytes)) for _ in range(n)]
+    per_choice = data.draw(st.booleans(), label="times measured per choice")
+    optional = st.one_of(st.none(), ms) if per_choice else st.none()
+    costs = [LayerCost(data.draw(ms), data.draw(ms), data.draw(nbytes), data.draw(nbytes),
+                       data.draw(optional), data.draw(optional), data.draw(optional)) for _ in range(n)]
     link = LinkCost(data.draw(bw), data.draw(bw), data.draw(bw))
     base = data.draw(st.integers(0, 4).map(lambda x: x * MB) if exact else st.integers(0, 10**6), label="base")
     return costs, link, base
@@ -159,11 +163,31 @@ def test_a_free_recomputation_that_saves_nothing_is_not_chosen():
 @given(st.data())
 def test_ample_budget_costs_no_time(data):
     costs, link, base = instance(data, exact=False)
+    # no choice makes a layer faster than keeping it (measure_costs never reports one that does)
+    costs = [dataclasses.replace(c, offloaded_forward_ms=None if c.offloaded_forward_ms is None else
+                                 max(c.forward_ms, c.offloaded_forward_ms),
+                                 offloaded_backward_ms=None if c.offloaded_backward_ms is None else
+                                 max(c.backward_ms, c.offloaded_backward_ms)) for c in costs]
     keep_peak, keep_ms = simulate_plan([KEEP] * len(costs), costs, link, base)
     got = plan(costs, link, keep_peak + data.draw(st.integers(0, 10**6)), base)
     # nothing is faster than keeping everything (step times compare rounded, as the planner's do)
     assert round(got.predicted_step_ms, planner._DECIMALS) == round(keep_ms, planner._DECIMALS)
     assert got.choices == (KEEP,) * len(costs) or got.predicted_peak_bytes < keep_peak  # free saving only
+
+
+def test_times_measured_per_choice_by_hand():
+    """An offloaded layer takes its offloaded times, a recomputed one adds recompute_ms to its backward."""
+    link = LinkCost(1e6, 1e6, 1e6)  # copies take no time: only compute counts
+    cost = LayerCost(1.0, 2.0, 100, 10, offloaded_forward_ms=1.5, offloaded_backward_ms=2.25, recompute_ms=0.5)
+    costs = [cost, LayerCost(1.0, 2.0, 100, 10)]
+    assert cost.phase_ms(OFFLOAD) == (1.5, 2.25) and cost.phase_ms(RECOMPUTE) == (1.0, 2.5)
+    assert costs[1].phase_ms(OFFLOAD) == (1.0, 2.0) and costs[1].phase_ms(RECOMPUTE) == (1.0, 3.0)
+    assert simulate_plan((KEEP, KEEP), costs, link)[1] == pytest.approx(6.0)
+    assert simulate_plan((OFFLOAD, KEEP), costs, link)[1] == pytest.approx(6.75)
+    assert simulate_plan((RECOMPUTE, RECOMPUTE), costs, link)[1] == pytest.approx(7.5)
+    assert cost.scaled(2.0) == LayerCost(2.0, 4.0, 100, 10, 3.0, 4.5, 1.0)
+    with pytest.raises(ValueError, match="recompute_ms"):
+        LayerCost(1.0, 1.0, 1, 1, recompute_ms=-1.0)
 
 
 def test_ample_budget_keeps_every_layer():
@@ -314,6 +338,9 @@ def test_measured_costs_match_what_each_layer_saves_and_takes_in():
     assert [c.saved_bytes for c in costs] == [s.candidate_bytes for s in probe.stats]
     assert all(c.input_bytes == x.numel() * 4 for c in costs)  # every layer maps width 32 to width 32
     assert all(c.forward_ms > 0 and c.backward_ms > 0 for c in costs) and base == 0
+    # timed offloaded (every layer but the last) and recomputed (every layer)
+    assert all(c.offloaded_forward_ms > 0 and c.offloaded_backward_ms > 0 for c in costs[:-1])
+    assert costs[-1].offloaded_forward_ms is None and all(c.recompute_ms >= 0 for c in costs)
     link = measure_link("cpu", nbytes=2**20)
     assert link.d2h_gb_per_s > 0 and link.h2d_gb_per_s == link.d2h_gb_per_s
 

@@ -4,18 +4,20 @@ The step modelled is :class:`~offload_examples.core.schedule.DefaultSchedule`'s:
 ``0 .. N-1``, then their backwards in reverse. Per layer:
 
 - ``KEEP``: its ``saved_bytes`` stay on the device from its forward to the end of its backward.
-- ``RECOMPUTE``: only its ``input_bytes`` stay; its backward first re-runs the forward (``forward_ms``
-  more) and holds ``saved_bytes`` on top of the input while it runs.
+- ``RECOMPUTE``: only its ``input_bytes`` stay; its backward first re-runs the forward
+  (``LayerCost.recompute_extra_ms`` more) and holds ``saved_bytes`` on top of the input while it runs.
 - ``OFFLOAD``: its ``saved_bytes`` are copied out from the end of its forward and released, and
   reloaded, at :class:`SubsetSchedule`'s points (for the first ``k`` layers these are exactly
   ``DefaultSchedule(k, N)``'s; :func:`apply_plan` runs any set on the engine). A release waits for its copy
   out, a backward for its reload; copies run one at a time per direction
-  (:meth:`DefaultSchedule.predict_step_ms`). The last layer is never offloaded.
+  (:meth:`DefaultSchedule.predict_step_ms`). Its forward and backward take
+  ``LayerCost.offloaded_forward_ms`` and ``offloaded_backward_ms`` where they were measured. The last
+  layer is never offloaded.
 
 Peak memory is ``base_bytes`` plus the most saved bytes resident at any phase
 (:meth:`DefaultSchedule.simulate`, plus a recomputed layer's ``saved_bytes`` during its backward);
-the step time is ``predict_step_ms`` with each recomputed layer's backward lengthened by its
-forward. :func:`simulate_plan` is that model; :func:`plan` and :func:`pareto` search it.
+the step time is ``predict_step_ms`` with each layer's times under its choice
+(:meth:`LayerCost.phase_ms`). :func:`simulate_plan` is that model; :func:`plan` and :func:`pareto` search it.
 
 ``LinkCost.both_gb_per_s`` never binds here: every release waits for its copy out and comes before
 the last forward, every reload starts at a backward, so the two directions are never busy at once.
@@ -27,6 +29,7 @@ import bisect
 import itertools
 import math
 from collections.abc import Sequence
+import dataclasses
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -72,16 +75,47 @@ def _check(cls: str, name: str, value: Any, kind: type) -> None:
 
 @dataclass(frozen=True)
 class LayerCost:
-    """One layer's measured costs: compute time (ms) and what its forward holds for backward (bytes)."""
+    """One layer's measured costs: compute time (ms) and what its forward holds for backward (bytes).
+
+    The three optional times are measured where a choice changes more than the model's copies and
+    recomputation account for: on a launch-bound step the engine's work per saved tensor, or the
+    checkpoint's, is host time the GPU waits for. ``None`` means "as when kept" (and, for
+    ``recompute_ms``, "the forward once more").
+    """
 
     forward_ms: float
     backward_ms: float
     saved_bytes: int  # held from the forward to the backward when kept
     input_bytes: int  # held instead when recomputed (the layer's input)
+    offloaded_forward_ms: float | None = None  # the forward's time when the layer is offloaded
+    offloaded_backward_ms: float | None = None  # the backward's time when it is offloaded (its waits not counted)
+    recompute_ms: float | None = None  # what recomputing the layer adds to its forward and backward together
 
     def __post_init__(self) -> None:
-        for name, kind in (("forward_ms", float), ("backward_ms", float), ("saved_bytes", int), ("input_bytes", int)):
-            _check("LayerCost", name, getattr(self, name), kind)
+        for name, kind in (("forward_ms", float), ("backward_ms", float), ("saved_bytes", int), ("input_bytes", int),
+                           ("offloaded_forward_ms", float), ("offloaded_backward_ms", float), ("recompute_ms", float)):
+            if getattr(self, name) is not None or kind is int or name in ("forward_ms", "backward_ms"):
+                _check("LayerCost", name, getattr(self, name), kind)
+
+    def scaled(self, factor: float) -> LayerCost:
+        """The same costs with every time multiplied by ``factor`` (the bytes unchanged)."""
+        times = ("forward_ms", "backward_ms", "offloaded_forward_ms", "offloaded_backward_ms", "recompute_ms")
+        return dataclasses.replace(self, **{name: getattr(self, name) * factor for name in times
+                                            if getattr(self, name) is not None})
+
+    @property
+    def recompute_extra_ms(self) -> float:
+        """What recomputing adds to the step, counted in the layer's backward."""
+        return self.forward_ms if self.recompute_ms is None else self.recompute_ms
+
+    def phase_ms(self, choice: Choice) -> tuple[float, float]:
+        """``(forward ms, backward ms)`` of the layer under ``choice``."""
+        if choice is OFFLOAD:
+            return (self.forward_ms if self.offloaded_forward_ms is None else self.offloaded_forward_ms,
+                    self.backward_ms if self.offloaded_backward_ms is None else self.offloaded_backward_ms)
+        if choice is RECOMPUTE:
+            return self.forward_ms, self.backward_ms + self.recompute_extra_ms
+        return self.forward_ms, self.backward_ms
 
 
 @dataclass(frozen=True)
@@ -148,8 +182,8 @@ def simulate_plan(choices: Sequence[Choice | str], costs: Sequence[LayerCost], l
     points = sched.simulate(off, kept).points
     peak = max(total + (costs[j].saved_bytes if phase == "backward" and choices[j] is RECOMPUTE else 0)
                for phase, j, _, total in points)
-    bwd = [c.backward_ms + (c.forward_ms if ch is RECOMPUTE else 0.0) for c, ch in zip(costs, choices)]
-    ms = sched.predict_step_ms([c.forward_ms for c in costs], bwd, off, link.d2h_gb_per_s, link.h2d_gb_per_s)
+    fwd, bwd = zip(*(c.phase_ms(ch) for c, ch in zip(costs, choices)))
+    ms = sched.predict_step_ms(fwd, bwd, off, link.d2h_gb_per_s, link.h2d_gb_per_s)
     return base_bytes + peak, ms
 
 
@@ -236,7 +270,7 @@ def _prefix_front(costs: Sequence[LayerCost], link: LinkCost, k: int, cap: float
     resident = {(phase, j): total for phase, j, _, total in points}  # offloaded bytes on the device
     if fixed > cap:
         return []
-    fwd, bwd = [c.forward_ms for c in costs], [c.backward_ms for c in costs]
+    fwd, bwd = zip(*(c.phase_ms(OFFLOAD if i < k else KEEP) for i, c in enumerate(costs)))
 
     def step_ms(lengthen: int | None = None, by: float = 0.0) -> float:
         b = [x + (by if i == lengthen else 0.0) for i, x in enumerate(bwd)]
@@ -256,7 +290,7 @@ def _prefix_front(costs: Sequence[LayerCost], link: LinkCost, k: int, cap: float
                 during = resident[("backward", j)] + h + (c.saved_bytes if rec else 0)
                 p = max(peak, resident[("forward", j)] + h, during)
                 if p <= cap:
-                    a = round(max(alpha + (c.forward_ms if rec else 0.0), cut[j]), _DECIMALS)
+                    a = round(max(alpha + (c.recompute_extra_ms if rec else 0.0), cut[j]), _DECIMALS)
                     new.append((a, p, h, nrec + rec, ch + (rec,)))
         if j < n - 1:
             states = _nondominated(new, 3)
@@ -340,7 +374,7 @@ def plan(costs: Sequence[LayerCost], link: LinkCost, budget_bytes: int, base_byt
       remaining layers can do, and less of either is never worse.
     - Time. ``predict_step_ms`` is a longest path over the phases. The backwards of layers
       ``N-1 .. k`` run first and wait for nothing, so every path through them covers a suffix
-      ``N-1 .. g+1``: the step is ``max_g cut[g] + sum(forward_ms of recomputed layers > g)``
+      ``N-1 .. g+1``: the step is ``max_g cut[g] + sum(recompute_extra_ms of recomputed layers > g)``
       for ``g`` in ``k-1 .. N-1``, with ``cut[g]`` the same maximum with nothing recomputed (read
       off ``predict_step_ms``). Walking up, ``alpha = max_{g<j} cut[g] + sum(recomputed in g+1..j-1)``
       is all the past contributes, and a lower alpha is never worse.

@@ -533,7 +533,7 @@ def _planner_setup(model: nn.ModuleList, x: torch.Tensor, base, link: LinkCost, 
     keep = (KEEP,) * len(costs)
     saved_peak, raw_ms = simulate_plan(keep, costs, link)
     scale = base.median_ms / raw_ms if raw_ms > 0 else 1.0
-    costs = [dataclasses.replace(c, forward_ms=c.forward_ms * scale, backward_ms=c.backward_ms * scale) for c in costs]
+    costs = [c.scaled(scale) for c in costs]
     base_bytes = idle if base.peak_bytes is None else max(0, base.peak_bytes - saved_peak)
     peak, ms = simulate_plan(keep, costs, link, base_bytes)
     return PlannerSetup(costs, link, base_bytes, peak, ms, scale, idle)

@@ -4,7 +4,10 @@
 hooks count what every layer saves) with timing marks on the compute stream, and returns one
 :class:`~offload_examples.features.planner.LayerCost` per layer: forward and backward time (median
 over the steps), the bytes its forward keeps for backward, and the bytes of its input (what
-recomputation keeps instead). :func:`measure_link` times pinned copies each way and both at once
+recomputation keeps instead). It then times every layer offloaded and every layer recomputed, in
+two more runs: where a step is launch bound (the GPU waits for the host, as on Transformer Engine's
+layers), the engine's and the checkpoint's host work lengthen it, and only timing them tells by how
+much. :func:`measure_link` times pinned copies each way and both at once
 on a GPU; on a CPU, where the engine's copies are host-to-host memory copies, it times those.
 
 Typical use::
@@ -16,6 +19,7 @@ Typical use::
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from typing import Sequence
@@ -24,7 +28,7 @@ import torch
 from torch import nn
 
 from offload_examples.core.api import get_cpu_offload_context
-from offload_examples.features.planner import LayerCost, LinkCost
+from offload_examples.features.planner import Checkpointed, LayerCost, LinkCost
 from offload_examples.instruments.measure import training_step
 from offload_examples.instruments.timeline import per_layer_ms, record_layer_timeline
 
@@ -37,7 +41,8 @@ def _zero(layers: Sequence[nn.Module], x: torch.Tensor) -> None:
     x.grad = None
 
 
-def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 3) -> tuple[list[LayerCost], int]:
+def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 3,
+                  per_choice: bool = True) -> tuple[list[LayerCost], int]:
     """One :class:`~offload_examples.features.planner.LayerCost` per layer, and the base bytes.
 
     The base bytes are what is allocated on the device before the step (weights, the input): the
@@ -46,6 +51,12 @@ def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 3) 
     ``steps`` timed steps follow one warm-up step; each
     layer's times are the median over them. On a CPU the times are host times of a CPU run: right
     for planning a CPU run, not a prediction for a GPU.
+
+    With ``per_choice`` (the default) two more runs time every layer but the last offloaded (its
+    forward and backward, not the waits for copies) and every layer recomputed; they fill the
+    :class:`~offload_examples.features.planner.LayerCost` fields ``offloaded_forward_ms``,
+    ``offloaded_backward_ms`` and ``recompute_ms``. The offloading run pins host memory for every
+    layer but the last, and gives it back when it ends.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
@@ -71,9 +82,48 @@ def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 3) 
         for h in hooks:
             h.remove()
         _zero(layers, x)
-    fwd = [statistics.median(r[0][i] for r in runs) for i in range(n)]
-    bwd = [statistics.median(r[1][i] for r in runs) for i in range(n)]
-    return [LayerCost(f, b, s.candidate_bytes, inp) for f, b, s, inp in zip(fwd, bwd, ctx.stats, inputs)], base
+    fwd, bwd = _medians(runs, n)
+    costs = [LayerCost(f, b, s.candidate_bytes, inp) for f, b, s, inp in zip(fwd, bwd, ctx.stats, inputs)]
+    return (_per_choice(costs, layers, x, steps) if per_choice else costs), base
+
+
+def _medians(runs: list[tuple[list[float], list[float]]], n: int) -> tuple[list[float], list[float]]:
+    return ([statistics.median(r[0][i] for r in runs) for i in range(n)],
+            [statistics.median(r[1][i] for r in runs) for i in range(n)])
+
+
+def _timed(layers: Sequence[nn.Module], x: torch.Tensor, steps: int, num_layers: int,
+           param_layers: Sequence[nn.Module]) -> tuple[list[float], list[float]]:
+    """Each layer's median forward and backward ms with the first ``num_layers`` offloaded."""
+    n = len(layers)
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=num_layers, model_layers=n, device=x.device,
+                                        retain_pinned_cpu_buffers=True)
+
+    def step() -> torch.Tensor:
+        _zero(param_layers, x)
+        return training_step(layers, x, ctx, sync)
+
+    try:
+        step()  # warm-up: pins the host buffers, which the next steps reuse
+        return _medians([per_layer_ms(record_layer_timeline(step, ctx), n) for _ in range(steps)], n)
+    finally:
+        _zero(param_layers, x)
+        ctx.pool.release()
+
+
+def _per_choice(costs: list[LayerCost], layers: Sequence[nn.Module], x: torch.Tensor, steps: int) -> list[LayerCost]:
+    """``costs`` with each layer's times offloaded (all but the last) and recomputed (all of them)."""
+    n = len(layers)
+    out_f, out_b = _timed(layers, x, steps, n - 1, layers) if n > 1 else ([], [])
+    rec_f, rec_b = _timed([Checkpointed(layer) for layer in layers], x, steps, 0, layers)
+    # Neither choice makes a layer's compute faster: a shorter time is noise, which would make the
+    # planner offload or recompute for speed. So no time is below the kept layer's.
+    return [dataclasses.replace(
+        c,
+        offloaded_forward_ms=max(c.forward_ms, out_f[i]) if i < n - 1 else None,
+        offloaded_backward_ms=max(c.backward_ms, out_b[i]) if i < n - 1 else None,
+        recompute_ms=max(0.0, rec_f[i] - c.forward_ms + rec_b[i] - c.backward_ms),  # counted in the backward
+    ) for i, c in enumerate(costs)]
 
 
 def measure_link(device: torch.device | str | None = None, nbytes: int = 256 * 2**20) -> LinkCost:
