@@ -195,3 +195,38 @@ def test_host_memory_limit_keeps_tensors_on_device():
         training_step(model, x, ctx, sync)
     assert ctx.pool.peak_bytes <= 2048
     assert all(torch.equal(a, b) for a, b in zip(expected, grads(model, x)))
+
+
+def test_a_storage_resized_inside_the_layer_stays_on_the_device():
+    """FSDP-style: a saved storage shrunk inside the layer and re-grown and refilled before backward.
+    The copy at the layer's end would read past the shrunk allocation (review of the batched copies:
+    wrong gradients, or a crash when freed to 0 bytes); it stays where it is, with a warning."""
+    torch.manual_seed(0)
+    shards = nn.ParameterList(nn.Parameter(torch.randn(16, 64) * 0.05) for _ in range(3))
+
+    def step(ctx=None, sync=None):
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        h, gathered = x, []
+        for j in range(3):
+            with ctx if ctx is not None else torch.enable_grad():
+                w = torch.cat([shards[j]] * 4)  # made by autograd, not weight-like: a candidate
+                y = h @ w  # saves w
+                gathered.append((w, w.detach().clone()))
+                w.untyped_storage().resize_(64 if j else 0)  # shrunk (layer 0: freed)
+                h = y.tanh()
+            h = sync(h) if sync else h
+        for w, full in gathered:  # re-gathered before backward
+            w.untyped_storage().resize_(full.untyped_storage().nbytes())
+            w.untyped_storage().copy_(full.untyped_storage())
+        h.sum().backward()
+        out = [p.grad.clone() for p in shards] + [x.grad.clone()]
+        shards.zero_grad(set_to_none=True)
+        return out
+
+    ref = step()
+    ctx, sync = offload(2, 3)
+    with pytest.warns(OffloadWarning, match="resized"):
+        got = step(ctx, sync)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    # w (16 KiB) stayed: layer 0 offloaded its tanh output, layer 1 that and its input
+    assert [ctx.stats[j].offloaded_bytes for j in (0, 1)] == [8192, 16384]

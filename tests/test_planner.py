@@ -339,7 +339,7 @@ def test_measured_costs_match_what_each_layer_saves_and_takes_in():
     assert all(c.input_bytes == x.numel() * 4 for c in costs)  # every layer maps width 32 to width 32
     assert all(c.forward_ms > 0 and c.backward_ms > 0 for c in costs) and base == 0
     # timed offloaded (every layer but the last) and recomputed (every layer)
-    assert all(c.offloaded_forward_ms > 0 and c.offloaded_backward_ms > 0 for c in costs[:-1])
+    assert all(c.offloaded_forward_ms >= c.forward_ms and c.offloaded_backward_ms is None for c in costs[:-1])
     assert costs[-1].offloaded_forward_ms is None and all(c.recompute_ms >= 0 for c in costs)
     link = measure_link("cpu", nbytes=2**20)
     assert link.d2h_gb_per_s > 0 and link.h2d_gb_per_s == link.d2h_gb_per_s

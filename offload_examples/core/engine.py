@@ -158,6 +158,11 @@ class _StorageRecord:
             rec.offloaded, rec.host = done, host
         return records
 
+    def resized(self) -> bool:
+        """Whether the storage was resized (``resize_``, as FSDP does to free and re-gather) since it was saved."""
+        storage = self.device.untyped_storage()
+        return storage.nbytes() != self.nbytes or storage.data_ptr() != self.address
+
     def check_capture(self, what: str, capturing: bool) -> None:
         """Refuse to mix a capture's records with work outside that capture (and vice versa)."""
         if self.captured != capturing:
@@ -266,6 +271,9 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
     max_offload_bytes_per_layer:
         Most bytes one layer offloads per iteration; storages saved after that stay on the device
         (storages in the order they are saved, each while it still fits). ``None``: no cap.
+    count_every_layer:
+        Hook and count every layer in every iteration. ``None``: only when the schedule offloads no
+        layer (a probe); otherwise layers not offloaded run without hooks after the first iteration.
     """
 
     def __init__(
@@ -279,6 +287,7 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
         offload_stream: torch.cuda.Stream | None = None,
         host_memory_limit: int | None = None,
         max_offload_bytes_per_layer: int | None = None,
+        count_every_layer: bool | None = None,
     ):
         self.schedule = schedule = checked_settings(schedule, model_layers, min_offload_bytes,
                                                     max_offload_bytes_per_layer)
@@ -302,7 +311,8 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
         self._passthrough = False  # entered under no_grad: saves nothing, counts for nothing
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         #: Which layers are hooked; an engine that offloads nothing is a probe and counts every layer.
-        self.counts = LayerCounts(every_iteration=not any(map(schedule.is_offloaded, range(self.model_layers))))
+        probe = not any(map(schedule.is_offloaded, range(self.model_layers)))
+        self.counts = LayerCounts(every_iteration=probe if count_every_layer is None else count_every_layer)
         self._new_iteration()
 
     # ------------------------------------------------------------------ controls (more: EngineSettings)
@@ -395,7 +405,11 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
         for rec in self._records[layer]:
             if rec.tried or rec.device is None:
                 continue
-            if rec.not_from_autograd and held_elsewhere(rec.device, ours=2):  # caller data: a copy frees nothing
+            resized = rec.resized()
+            if resized:  # the copy would read bytes the storage no longer has: autograd reads what it holds now
+                self._warn_once("resized", f"a storage saved in layer {layer} was resized before the layer's forward "
+                                           "ended (resize_): it stays on the device")
+            if resized or (rec.not_from_autograd and held_elsewhere(rec.device, ours=2)):  # caller data: frees nothing
                 rec.tried = True
                 stats.candidate_bytes -= rec.nbytes
                 continue

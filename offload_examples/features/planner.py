@@ -453,6 +453,8 @@ def apply_plan(chosen: Plan, layers: Sequence[nn.Module], device: torch.device |
     if len(chosen.choices) != len(layers):
         raise ValueError(f"the plan has {len(chosen.choices)} choices but there are {len(layers)} layers")
     offloaded = [i for i, c in enumerate(chosen.choices) if c is OFFLOAD]
+    # a plan that offloads nothing must not hook every layer in every step, as a probe does
+    engine_options.setdefault("count_every_layer", False)
     engine = OffloadEngine(_schedule(offloaded, len(layers)), device=resolve_device(device), **engine_options)
     run = [Checkpointed(layer) if c is RECOMPUTE else layer for layer, c in zip(layers, chosen.choices)]
     return engine, engine.sync, run

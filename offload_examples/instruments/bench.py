@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import importlib.util
 import multiprocessing
@@ -380,8 +381,7 @@ def _bench_model(name: str, config: BenchConfig, device: torch.device, link: dic
 
     for k in config.ks:
         theory = _theoretical_saving(per_layer if held is None else held, k)
-        bound = (DefaultSchedule(k, n).predict_step_ms(fwd_ms, bwd_ms, _first(per_layer, k), link["d2h"], link["h2d"])
-                 if link else None)
+        bound = functools.partial(_copy_bound, k, fwd_ms, bwd_ms, _first(per_layer, k), link) if link else None
         for strategy in config.strategies:
             if strategy == "no offload":
                 continue
@@ -409,8 +409,16 @@ def _bench_model(name: str, config: BenchConfig, device: torch.device, link: dic
     return out
 
 
+def _copy_bound(k: int, fwd_ms: Sequence[float], bwd_ms: Sequence[float], offloaded: Sequence[int], link: dict,
+                compute_scale: float) -> float:
+    """The copy bound of the first ``k`` layers with every compute time multiplied by ``compute_scale``."""
+    return DefaultSchedule(k, len(fwd_ms)).predict_step_ms([t * compute_scale for t in fwd_ms],
+                                                          [t * compute_scale for t in bwd_ms], offloaded,
+                                                          link["d2h"], link["h2d"])
+
+
 def _run_strategy(strategy: str, model: nn.ModuleList, x: torch.Tensor, k: int, device: torch.device, kind: str,
-                  steps: dict, base, theory: int, bound: float | None, link: dict | None, detail: bool,
+                  steps: dict, base, theory: int, bound: Callable[[float], float] | None, link: dict | None, detail: bool,
                   out: dict[str, Any], reference: Callable[[], torch.Tensor], chosen: Plan | None = None) -> dict[str, Any]:
     skipped = available(strategy, device, kind)
     if skipped:
@@ -429,9 +437,9 @@ def _run_strategy(strategy: str, model: nn.ModuleList, x: torch.Tensor, k: int, 
                       overhead_quartiles=[pairs[len(pairs) // 4], pairs[(3 * len(pairs)) // 4]])
         if engine is not None:
             result["pinned_allocations"] = engine.pool.allocations
-            # the bound's compute times come from the first no-offload run: rescale them to the
-            # no-offload steps that ran alongside this one
-            scaled = bound * result["reference_ms"] / base.median_ms if bound else None
+            # the bound's compute times come from the first no-offload run: rescale them (not the
+            # copies' times) to the no-offload steps that ran alongside this one
+            scaled = bound(result["reference_ms"] / base.median_ms) if bound else None
             result.update(_copy_figures(step, engine, scaled, measured.median_ms, link, detail, out, k))
             # the engine's count of offloaded bytes on the device, phase by phase, against its schedule
             result["resident_matches_theory"] = all(got == want for _, _, got, want in resident_vs_theory(engine))

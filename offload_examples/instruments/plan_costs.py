@@ -28,6 +28,8 @@ import torch
 from torch import nn
 
 from offload_examples.core.api import get_cpu_offload_context
+from offload_examples.core.engine import OffloadEngine
+from offload_examples.core.schedule import DefaultSchedule
 from offload_examples.features.planner import Checkpointed, LayerCost, LinkCost
 from offload_examples.instruments.measure import training_step
 from offload_examples.instruments.timeline import per_layer_ms, record_layer_timeline
@@ -52,11 +54,12 @@ def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 3,
     layer's times are the median over them. On a CPU the times are host times of a CPU run: right
     for planning a CPU run, not a prediction for a GPU.
 
-    With ``per_choice`` (the default) two more runs time every layer but the last offloaded (its
-    forward and backward, not the waits for copies) and every layer recomputed; they fill the
-    :class:`~offload_examples.features.planner.LayerCost` fields ``offloaded_forward_ms``,
-    ``offloaded_backward_ms`` and ``recompute_ms``. The offloading run pins host memory for every
-    layer but the last, and gives it back when it ends.
+    With ``per_choice`` (the default) three more runs time every layer kept, every layer but the last
+    offloaded (its forward; not the waits for copies) and every layer recomputed, with hooks only
+    where a plan's engine has them; they fill the
+    :class:`~offload_examples.features.planner.LayerCost` fields ``offloaded_forward_ms`` and
+    ``recompute_ms``, as ratios to the kept run applied to ``forward_ms``. The offloading run pins
+    host memory for every layer but the last, and gives it back when it ends.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
@@ -96,8 +99,10 @@ def _timed(layers: Sequence[nn.Module], x: torch.Tensor, steps: int, num_layers:
            param_layers: Sequence[nn.Module]) -> tuple[list[float], list[float]]:
     """Each layer's median forward and backward ms with the first ``num_layers`` offloaded."""
     n = len(layers)
-    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=num_layers, model_layers=n, device=x.device,
-                                        retain_pinned_cpu_buffers=True)
+    # the warm-up step counts every layer; the timed ones hook only the offloaded layers, as a plan's engine does
+    ctx = OffloadEngine(DefaultSchedule(num_layers, n), device=x.device, retain_pinned_cpu_buffers=True,
+                        count_every_layer=False)
+    sync = ctx.sync
 
     def step() -> torch.Tensor:
         _zero(param_layers, x)
@@ -114,15 +119,17 @@ def _timed(layers: Sequence[nn.Module], x: torch.Tensor, steps: int, num_layers:
 def _per_choice(costs: list[LayerCost], layers: Sequence[nn.Module], x: torch.Tensor, steps: int) -> list[LayerCost]:
     """``costs`` with each layer's times offloaded (all but the last) and recomputed (all of them)."""
     n = len(layers)
-    out_f, out_b = _timed(layers, x, steps, n - 1, layers) if n > 1 else ([], [])
+    kept_f, kept_b = _timed(layers, x, steps, 0, layers)  # kept, without the probe's hooks
+    out_f, _ = _timed(layers, x, steps, n - 1, layers) if n > 1 else ([], [])
     rec_f, rec_b = _timed([Checkpointed(layer) for layer in layers], x, steps, 0, layers)
-    # Neither choice makes a layer's compute faster: a shorter time is noise, which would make the
-    # planner offload or recompute for speed. So no time is below the kept layer's.
+    # An offloaded layer's backward is not timed: it includes the waits for its reload, which the
+    # model adds itself. Neither choice makes a layer's compute faster: a shorter time is noise,
+    # which would make the planner offload or recompute for speed, so none is below the kept one.
     return [dataclasses.replace(
         c,
-        offloaded_forward_ms=max(c.forward_ms, out_f[i]) if i < n - 1 else None,
-        offloaded_backward_ms=max(c.backward_ms, out_b[i]) if i < n - 1 else None,
-        recompute_ms=max(0.0, rec_f[i] - c.forward_ms + rec_b[i] - c.backward_ms),  # counted in the backward
+        offloaded_forward_ms=c.forward_ms * max(1.0, out_f[i] / kept_f[i]) if i < n - 1 and kept_f[i] else None,
+        recompute_ms=c.forward_ms * max(0.0, (rec_f[i] + rec_b[i] - kept_f[i] - kept_b[i]) / kept_f[i])
+        if kept_f[i] else None,
     ) for i, c in enumerate(costs)]
 
 
