@@ -4,8 +4,8 @@
 hooks count what every layer saves) with timing marks on the compute stream, and returns one
 :class:`~offload_examples.features.planner.LayerCost` per layer: forward and backward time (median
 over the steps), the bytes its forward keeps for backward, and the bytes of its input (what
-recomputation keeps instead). It then times every layer offloaded and every layer recomputed, in
-two more runs: where a step is launch bound (the GPU waits for the host, as on Transformer Engine's
+recomputation keeps instead). It then times every layer kept, offloaded and recomputed without the probe's
+hooks, in three more runs: where a step is launch bound (the GPU waits for the host, as on Transformer Engine's
 layers), the engine's and the checkpoint's host work lengthen it, and only timing them tells by how
 much. :func:`measure_link` times pinned copies each way and both at once
 on a GPU; on a CPU, where the engine's copies are host-to-host memory copies, it times those.
