@@ -491,9 +491,7 @@ def _predictions(n: int, fwd: list[float], bwd: list[float], per_layer: list[int
     """The copy bound for every k, and the first k at which the copies no longer fit behind compute."""
     if not link:
         return None
-    bounds = {}
-    for k in range(1, n):
-        bounds[k] = DefaultSchedule(k, n).predict_step_ms(fwd, bwd, _first(per_layer, k), link["d2h"], link["h2d"])
+    bounds = {k: _copy_bound(k, fwd, bwd, _first(per_layer, k), link, 1.0) for k in range(1, n)}
     stop = next((k for k, ms in bounds.items() if ms > 1.01 * base_ms), None)
     return {"bound_ms": bounds, "copies_stop_fitting_at_k": stop}
 
