@@ -95,6 +95,17 @@ def test_nested_context():
             pass
 
 
+def test_nested_inside_an_entry_made_under_no_grad():
+    """An entry under no_grad saves nothing; a real entry inside it used to run, then the outer exit
+    ended the layer a second time with a message about its release."""
+    ctx, _ = offload(1, 2)
+    with torch.no_grad(), ctx, torch.enable_grad(), pytest.raises(RuntimeError, match="cannot be nested"):
+        with ctx:
+            pass
+    with torch.no_grad(), ctx:  # and the context is usable again
+        pass
+
+
 def test_entering_more_than_model_layers_times():
     model, x = build_linear_stack(3, 16), data()
     ctx, sync = offload(1, 2)
@@ -230,3 +241,34 @@ def test_a_storage_resized_inside_the_layer_stays_on_the_device():
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
     # w (16 KiB) stayed: layer 0 offloaded its tanh output, layer 1 that and its input
     assert [ctx.stats[j].offloaded_bytes for j in (0, 1)] == [8192, 16384]
+
+
+def test_a_strided_nested_tensor_stays_on_the_device_with_a_warning():
+    """A nested tensor has no sizes: the policy used to read them (autocast's cast test) and raised
+    an internal error from inside autograd. It is kept, like a tensor subclass, and said so once."""
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2, device=torch.device("cpu"),
+                                        min_offload_bytes=0)
+    parts = [torch.randn(3, 4), torch.randn(5, 4)]
+    nt = torch.nested.nested_tensor(parts, layout=torch.strided, requires_grad=True)
+    with pytest.warns(OffloadWarning, match="a nested tensor is not offloaded"):
+        with ctx:
+            y = (nt * 2).sin()
+    y = sync(y)
+    with ctx:
+        z = y * 3
+    z = sync(z)
+    torch.nested.to_padded_tensor(z, 0.0).sum().backward()
+    expected = [6 * (2 * p).cos() for p in parts]
+    assert all(torch.allclose(g, e) for g, e in zip(nt.grad.unbind(), expected))
+    assert ctx.stats[0].offloaded_bytes == 0 and ctx.stats[0].kept_tensors > 0
+
+
+def test_an_offload_stream_of_another_device_is_refused():
+    """Its copies would wait for streams of another device: refused before any stream is made."""
+    from offload_examples.core.streams import Streams
+
+    class OtherDeviceStream:  # stands in for torch.cuda.Stream(device=1); no GPU needed to refuse it
+        device = torch.device("cuda", 1)
+
+    with pytest.raises(ValueError, match="offload_stream is a stream of cuda:1, but the offload device is cuda:0"):
+        Streams(torch.device("cuda", 0), OtherDeviceStream())

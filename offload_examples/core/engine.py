@@ -322,7 +322,7 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> OffloadEngine:
-        if self._in_layer:
+        if self._in_layer or self._passthrough:  # also inside an entry made under no_grad
             raise RuntimeError("the offload context is already active: it cannot be nested")
         if not torch.is_grad_enabled():  # nothing is saved for backward: not an entry of the step
             self._passthrough = True
@@ -538,7 +538,7 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
         stats = self.stats[layer]
         stats.saved_tensors += 1
         reason = keep_reason(t, self.device, self.min_offload_bytes)
-        if reason is not None and type(t) not in (torch.Tensor, torch.nn.Parameter):
+        if reason is not None and (type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_nested):
             self._warn_once("subclass", f"{reason} is not offloaded")
         if (reason is None or reason == NOT_FROM_AUTOGRAD) and not self._chosen(t, layer):
             reason = OUTSIDE_SELECTION

@@ -6,8 +6,8 @@ gives its GPU memory back. That is not so for
 - parameters, leaves that require grad, their views, autocast's casts of them, and what an op
   returns on their own memory (the model or autocast's cache holds them anyway);
 - tensors marked with :func:`mark_not_offload`, on another device, or too small to pay for a copy;
-- tensor subclasses, sparse, quantized, conjugated or negated views (kept, with a warning for
-  subclasses);
+- tensor subclasses, nested, sparse, quantized, conjugated or negated views (kept, with a warning
+  for subclasses and nested tensors);
 - data that something outside the saved-tensor graph still holds: a micro-batch cut from a batch
   the caller keeps, a buffer a module caches.
 
@@ -94,6 +94,8 @@ def keep_reason(t: torch.Tensor, device: torch.device, min_bytes: int) -> str | 
         return "marked with mark_not_offload"
     if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
         return f"tensor subclass {type(t).__name__}"
+    if t.is_nested:  # before anything reads its sizes, which a nested tensor does not have
+        return "a nested tensor"
     if is_weight_like(t):
         return "a parameter, a leaf that requires grad, or a view or cast of one"
     if t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():

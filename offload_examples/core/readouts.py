@@ -179,7 +179,7 @@ class LayerCounts:
 
     def output(self, layer: int, x: torch.Tensor) -> None:
         """``layer`` returned ``x``: a new shape or dtype means the counts are out of date."""
-        seen = (tuple(x.shape), x.dtype)
+        seen = (("nested", x.size(0)) if x.is_nested else tuple(x.shape), x.dtype)  # a nested tensor has no shape
         if 0 <= layer < len(self._seen_outputs):
             self._seen_outputs[layer] = seen
         if self._counted is not None and layer < len(self._outputs) and self._outputs[layer] != seen:

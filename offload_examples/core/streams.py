@@ -76,6 +76,10 @@ class Streams:
         self.is_cuda = device.type == "cuda"
         if offload_stream is not None and not self.is_cuda:
             raise ValueError("offload_stream was given but the offload device is not a CUDA device")
+        if offload_stream is not None and offload_stream.device != device:
+            # its copies would wait for, and be waited on by, streams of another device
+            raise ValueError(f"offload_stream is a stream of {offload_stream.device}, but the offload device is "
+                             f"{device}: pass a stream of {device}")
         if self.is_cuda:
             self.d2h = offload_stream or torch.cuda.Stream(device)
             self.h2d = torch.cuda.Stream(device)
