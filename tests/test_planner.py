@@ -321,7 +321,8 @@ def test_an_applied_plan_runs_bitwise_and_offloads_exactly_its_layers():
 
 
 def test_measured_costs_match_what_each_layer_saves_and_takes_in():
-    """measure_costs: saved bytes as the engine counts them, input bytes of each layer's input, times > 0."""
+    """measure_costs: saved bytes as the engine counts them, input bytes of each layer's input, times > 0;
+    with ``pool_kinds=False`` the last layer, never timed offloaded, has no offloaded time."""
     import torch
 
     from offload_examples import get_cpu_offload_context
@@ -331,7 +332,7 @@ def test_measured_costs_match_what_each_layer_saves_and_takes_in():
 
     model = build_linear_stack(4, 32)
     x = torch.randn(16, 32, requires_grad=True)
-    costs, base = measure_costs(list(model), x, steps=2)
+    costs, base = measure_costs(list(model), x, steps=2, pool_kinds=False)  # each layer's own times
     assert x.grad is None and all(p.grad is None for p in model.parameters())  # left as found
     probe, sync = get_cpu_offload_context(enabled=True, num_layers=0, model_layers=4, device="cpu")
     training_step(model, x, probe, sync)
@@ -343,6 +344,63 @@ def test_measured_costs_match_what_each_layer_saves_and_takes_in():
     assert costs[-1].offloaded_forward_ms is None and all(c.recompute_ms >= 0 for c in costs)
     link = measure_link("cpu", nbytes=2**20)
     assert link.d2h_gb_per_s > 0 and link.h2d_gb_per_s == link.d2h_gb_per_s
+
+
+TIME_FIELDS = ("forward_ms", "backward_ms", "offloaded_forward_ms", "offloaded_backward_ms", "recompute_ms")
+
+
+def times(cost: LayerCost) -> tuple:
+    return tuple(getattr(cost, name) for name in TIME_FIELDS)
+
+
+def test_identical_layers_share_one_measured_cost():
+    """measure_costs pools by kind (the default): identical layers get the same times, the last one an
+    offloaded forward time too (its kind's, though it was never timed offloaded); the bytes are each layer's."""
+    from offload_examples.instruments.plan_costs import measure_costs
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh()) for _ in range(4)]
+    x = torch.randn(16, 32)
+    costs, _ = measure_costs(layers, x, steps=2)
+    assert len({times(c) for c in costs}) == 1
+    assert costs[-1].offloaded_forward_ms is not None and costs[-1].recompute_ms is not None
+    assert all(c.saved_bytes == 2 * x.numel() * 4 and c.input_bytes == x.numel() * 4 for c in costs)
+    # an input that requires grad is a leaf the engine does not count: the first layer saves less
+    # (only Tanh's output), so it is a kind of its own and the other three share one cost
+    costs, _ = measure_costs(layers, x.requires_grad_(), steps=2)
+    assert costs[0].saved_bytes == x.numel() * 4 and len({times(c) for c in costs[1:]}) == 1
+
+
+def test_pooling_takes_medians_within_each_kind_only():
+    """Kinds: class, parameter and buffer (name, shape, dtype), saved and input bytes. Each time is the
+    median over the kind, ``None`` left out (kept where every member has ``None``); bytes stay per layer."""
+    from offload_examples.instruments.plan_costs import _pooled_by_kind
+
+    def narrow():
+        return torch.nn.Linear(8, 8)
+
+    def wide():
+        return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16))  # with buffers
+
+    layers = [narrow(), wide(), narrow(), wide(), narrow(), wide(),
+              narrow().double(),  # same shapes, another dtype: its own kind
+              narrow()]  # same module, other saved bytes: its own kind
+    costs = [
+        LayerCost(1.0, 4.0, 100, 32, offloaded_forward_ms=1.5, recompute_ms=0.5),
+        LayerCost(10.0, 40.0, 400, 64, offloaded_forward_ms=12.0, offloaded_backward_ms=41.0, recompute_ms=5.0),
+        LayerCost(3.0, 6.0, 100, 32, offloaded_forward_ms=3.5, recompute_ms=0.7),
+        LayerCost(30.0, 60.0, 400, 64, offloaded_forward_ms=31.0, offloaded_backward_ms=61.0, recompute_ms=7.0),
+        LayerCost(2.0, 5.0, 100, 32, offloaded_forward_ms=None, recompute_ms=0.6),
+        LayerCost(20.0, 50.0, 400, 64, offloaded_forward_ms=None, offloaded_backward_ms=None, recompute_ms=6.0),
+        LayerCost(9.0, 9.0, 100, 32, offloaded_forward_ms=9.5),
+        LayerCost(7.0, 7.0, 200, 32, recompute_ms=1.0),
+    ]
+    pooled = _pooled_by_kind(costs, layers)
+    narrow_times = (2.0, 5.0, 2.5, None, 0.6)  # medians of 1, 3, 2 / 4, 6, 5 / 1.5, 3.5 / none / .5, .7, .6
+    wide_times = (20.0, 50.0, 21.5, 51.0, 6.0)
+    assert [times(c) for c in pooled] == [narrow_times, wide_times] * 3 + [times(costs[6]), times(costs[7])]
+    assert [(c.saved_bytes, c.input_bytes) for c in pooled] == [(c.saved_bytes, c.input_bytes) for c in costs]
+    assert _pooled_by_kind(costs[:1], layers[:1]) == costs[:1]  # a kind of one keeps its own costs
 
 
 def test_a_bare_cuda_device_means_the_current_one(monkeypatch):

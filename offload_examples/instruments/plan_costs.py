@@ -7,7 +7,10 @@ over the steps), the bytes its forward keeps for backward, and the bytes of its 
 recomputation keeps instead). It then times every layer kept, offloaded and recomputed without the probe's
 hooks, in three more runs: where a step is launch bound (the GPU waits for the host, as on Transformer Engine's
 layers), the engine's and the checkpoint's host work lengthen it, and only timing them tells by how
-much. :func:`measure_link` times pinned copies each way and both at once
+much. Layers of one kind (same class, same parameter and buffer shapes and dtypes, same saved and
+input bytes) then share one cost: each time is the median over the kind's layers, since timings of
+identical layers differ only by noise, which an exact search would exploit (``pool_kinds=False`` keeps
+each layer's own). :func:`measure_link` times pinned copies each way and both at once
 on a GPU; on a CPU, where the engine's copies are host-to-host memory copies, it times those.
 
 Typical use::
@@ -20,6 +23,7 @@ Typical use::
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 import time
 from typing import Sequence
@@ -44,7 +48,7 @@ def _zero(layers: Sequence[nn.Module], x: torch.Tensor) -> None:
 
 
 def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 3,
-                  per_choice: bool = True) -> tuple[list[LayerCost], int]:
+                  per_choice: bool = True, pool_kinds: bool = True) -> tuple[list[LayerCost], int]:
     """One :class:`~offload_examples.features.planner.LayerCost` per layer, and the base bytes.
 
     The base bytes are what is allocated on the device before the step (weights, the input): the
@@ -60,6 +64,12 @@ def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 3,
     :class:`~offload_examples.features.planner.LayerCost` fields ``offloaded_forward_ms`` and
     ``recompute_ms``, as ratios to the kept run applied to ``forward_ms``. The offloading run pins
     host memory for every layer but the last, and gives it back when it ends.
+
+    With ``pool_kinds`` (the default) layers of one kind share their times (``_pooled_by_kind``):
+    each is the median over the kind's layers. The last layer, never timed offloaded, then gets its
+    kind's ``offloaded_forward_ms`` too (the planner never offloads it, so nothing reads it); with
+    ``pool_kinds=False`` every layer keeps its own times and the last one's ``offloaded_forward_ms``
+    stays ``None``.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
@@ -87,7 +97,57 @@ def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 3,
         _zero(layers, x)
     fwd, bwd = _medians(runs, n)
     costs = [LayerCost(f, b, s.candidate_bytes, inp) for f, b, s, inp in zip(fwd, bwd, ctx.stats, inputs)]
-    return (_per_choice(costs, layers, x, steps) if per_choice else costs), base
+    if per_choice:
+        costs = _per_choice(costs, layers, x, steps)
+    return (_pooled_by_kind(costs, layers) if pool_kinds else costs), base
+
+
+_TIMES = ("forward_ms", "backward_ms", "offloaded_forward_ms", "offloaded_backward_ms", "recompute_ms")
+
+
+def _kind(layer: nn.Module, cost: LayerCost) -> tuple:
+    """What makes two layers the same kind: class, parameters and buffers (name, shape, dtype), bytes."""
+    tensors = itertools.chain(layer.named_parameters(), layer.named_buffers())
+    return (type(layer), tuple((name, tuple(t.shape), t.dtype) for name, t in tensors),
+            cost.saved_bytes, cost.input_bytes)
+
+
+def _pooled_by_kind(costs: Sequence[LayerCost], layers: Sequence[nn.Module]) -> list[LayerCost]:
+    """``costs`` with every time replaced by its median over the layers of the same kind.
+
+    Parameters
+    ----------
+    costs
+        One measured cost per layer.
+    layers
+        The layers, in the same order: their kinds (``_kind``) group the costs.
+
+    Returns
+    -------
+    list[LayerCost]
+        The costs with each time field the median of that field over the layer's kind, ``None``
+        values left out (``None`` where all of them are). The bytes stay each layer's own.
+
+    Notes
+    -----
+    Identical layers cost the same, but on launch-bound layers (Transformer Engine's on a GPU) each
+    one's measured times differ by noise of several percent. The planner's search is exact: given
+    per-layer times it recomputes precisely the layers whose recomputation happened to measure low,
+    and measured steps then came out 2-17 % above the prediction (12 TE layers, issue #17). One cost per kind
+    gives it no noise to exploit.
+    """
+    groups: dict[tuple, list[int]] = {}
+    for i, (layer, cost) in enumerate(zip(layers, costs)):
+        groups.setdefault(_kind(layer, cost), []).append(i)
+    pooled = list(costs)
+    for members in groups.values():
+        medians = {}
+        for name in _TIMES:
+            values = [getattr(costs[i], name) for i in members if getattr(costs[i], name) is not None]
+            medians[name] = statistics.median(values) if values else None
+        for i in members:
+            pooled[i] = dataclasses.replace(costs[i], **medians)
+    return pooled
 
 
 def _medians(runs: list[tuple[list[float], list[float]]], n: int) -> tuple[list[float], list[float]]:
