@@ -59,6 +59,14 @@ stored_sources = {
     "te-bench5": "docs/runs/2026-11-24-h100-session5/bench_A20/bench.json#models[A]",
     "te-bench5-md": "docs/runs/2026-11-24-h100-session5/bench_A20/bench.md",
     "gpu-session5": "docs/runs/2026-11-24-h100-session5/README.md",
+    # model A on TE layers, 20 layers, with the engine and TE's offload alternating step by step
+    "te-bench7": "docs/runs/2026-11-24-h100-session7/bench_A20/bench.json#models[A]",
+    "gpu-session6": "docs/runs/2026-11-24-h100-session6/README.md",
+    "gpu-session7": "docs/runs/2026-11-24-h100-session7/README.md",
+    "plan-bench7": "docs/runs/2026-11-24-h100-session7/bench_planner/bench.json",
+    # two H200s of one host, NCCL: the two-stage pipeline and FSDP2 on two ranks
+    "pipeline-2gpu": "docs/runs/2026-11-24-h100-session7/h200x2/pipeline_dist_nccl.json",
+    "fsdp-2gpu": "docs/runs/2026-11-24-h100-session7/h200x2/fsdp_2gpu_nccl.json",
 }
 
 extensions = [
