@@ -272,3 +272,76 @@ def test_an_offload_stream_of_another_device_is_refused():
 
     with pytest.raises(ValueError, match="offload_stream is a stream of cuda:1, but the offload device is cuda:0"):
         Streams(torch.device("cuda", 0), OtherDeviceStream())
+
+
+def test_views_and_casts_of_nested_tensors_do_not_break_the_policy():
+    """The policy read the sizes and storage of a nested base or leaf it reached through a view or a
+    grad_fn (a review's reproducers): a padded copy of a nested leaf, a component of a nested activation."""
+    from offload_examples.core.policy import keep_reason
+
+    cpu = torch.device("cpu")
+    nt = torch.nested.nested_tensor([torch.randn(3, 4), torch.randn(5, 4)], layout=torch.strided,
+                                    requires_grad=True)
+    padded = torch.nested.to_padded_tensor(nt * 2, 0.0)
+    assert keep_reason(padded, cpu, 0) is None  # a plain activation: offloaded
+    component = (nt * 2).unbind()[0]
+    assert keep_reason(component, cpu, 0) in (None, "a view of a nested tensor or a tensor subclass")
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2, device=cpu, min_offload_bytes=0)
+    lin = nn.Linear(4, 4)
+    with pytest.warns(OffloadWarning, match="a nested tensor is not offloaded"), ctx:
+        h = lin(torch.nested.to_padded_tensor(nt, 0.0))  # to_padded_tensor saves the nested input
+    h = sync(h)
+    with ctx:
+        out = lin(h)
+    sync(out).sum().backward()
+    assert nt.grad is not None and ctx.live_views == 0
+
+
+def test_nested_outputs_of_new_lengths_are_counted_again():
+    """Counts of layers that are not offloaded carry over while their outputs keep their shapes; a nested
+    output of new component lengths is a new shape."""
+    from offload_examples.core.readouts import _shape
+
+    a = torch.nested.nested_tensor([torch.randn(3, 4), torch.randn(5, 4)], layout=torch.strided)
+    b = torch.nested.nested_tensor([torch.randn(3, 4), torch.randn(9, 4)], layout=torch.strided)
+    assert _shape(a) != _shape(b) and _shape(a) == _shape(a.clone())
+    ja = torch.nested.nested_tensor([torch.randn(3, 4), torch.randn(5, 4)], layout=torch.jagged)
+    jb = torch.nested.nested_tensor([torch.randn(3, 4), torch.randn(9, 4)], layout=torch.jagged)
+    assert _shape(ja) != _shape(jb)
+
+
+def test_an_entry_under_no_grad_never_left_is_forgotten_by_reset():
+    ctx, sync = offload(1, 2)
+    with torch.no_grad():
+        ctx.__enter__()  # a caller's loop broke out without leaving it
+    with pytest.raises(RuntimeError, match="entered under no_grad"):
+        with ctx:
+            pass
+    ctx.reset()
+    model, x = build_linear_stack(2, 16), data()
+    training_step(model, x, ctx, sync)  # works again
+
+
+def test_threads_share_an_engine_for_no_grad_entries():
+    """Inference threads entering one engine under no_grad at the same time: no one's entry is another's."""
+    import threading
+
+    ctx, _ = offload(1, 2)
+    errors, start = [], threading.Barrier(4)
+
+    def work():
+        try:
+            start.wait()
+            for _ in range(200):
+                with torch.no_grad(), ctx:
+                    pass
+        except Exception as err:  # noqa: BLE001 - collected and asserted below
+            errors.append(err)
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    model, x = build_linear_stack(2, 16), data()
+    training_step(model, x, *offload(1, 2))

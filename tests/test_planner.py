@@ -353,11 +353,16 @@ def times(cost: LayerCost) -> tuple:
     return tuple(getattr(cost, name) for name in TIME_FIELDS)
 
 
-def test_identical_layers_share_one_measured_cost():
+def test_identical_layers_share_one_measured_cost(monkeypatch):
     """measure_costs pools by kind (the default): identical layers get the same times, the last one an
     offloaded forward time too (its kind's, though it was never timed offloaded); the bytes are each layer's."""
     from offload_examples.instruments.plan_costs import measure_costs
 
+    from offload_examples.instruments import plan_costs
+
+    # host timings on a 2-core CPU can differ by more than the pooling tolerance: widen it here, so
+    # that this test checks the grouping; the tolerance itself is checked by hand below
+    monkeypatch.setattr(plan_costs, "POOL_TOLERANCE", float("inf"))
     torch.manual_seed(0)
     layers = [torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh()) for _ in range(4)]
     x = torch.randn(16, 32)
@@ -386,21 +391,35 @@ def test_pooling_takes_medians_within_each_kind_only():
               narrow().double(),  # same shapes, another dtype: its own kind
               narrow()]  # same module, other saved bytes: its own kind
     costs = [
-        LayerCost(1.0, 4.0, 100, 32, offloaded_forward_ms=1.5, recompute_ms=0.5),
-        LayerCost(10.0, 40.0, 400, 64, offloaded_forward_ms=12.0, offloaded_backward_ms=41.0, recompute_ms=5.0),
-        LayerCost(3.0, 6.0, 100, 32, offloaded_forward_ms=3.5, recompute_ms=0.7),
-        LayerCost(30.0, 60.0, 400, 64, offloaded_forward_ms=31.0, offloaded_backward_ms=61.0, recompute_ms=7.0),
+        LayerCost(1.8, 4.5, 100, 32, offloaded_forward_ms=2.4, recompute_ms=0.55),
+        LayerCost(18.0, 45.0, 400, 64, offloaded_forward_ms=20.0, offloaded_backward_ms=46.0, recompute_ms=5.5),
+        LayerCost(2.2, 5.5, 100, 32, offloaded_forward_ms=2.6, recompute_ms=0.65),
+        LayerCost(22.0, 55.0, 400, 64, offloaded_forward_ms=23.0, offloaded_backward_ms=56.0, recompute_ms=6.5),
         LayerCost(2.0, 5.0, 100, 32, offloaded_forward_ms=None, recompute_ms=0.6),
         LayerCost(20.0, 50.0, 400, 64, offloaded_forward_ms=None, offloaded_backward_ms=None, recompute_ms=6.0),
         LayerCost(9.0, 9.0, 100, 32, offloaded_forward_ms=9.5),
         LayerCost(7.0, 7.0, 200, 32, recompute_ms=1.0),
     ]
     pooled = _pooled_by_kind(costs, layers)
-    narrow_times = (2.0, 5.0, 2.5, None, 0.6)  # medians of 1, 3, 2 / 4, 6, 5 / 1.5, 3.5 / none / .5, .7, .6
+    narrow_times = (2.0, 5.0, 2.5, None, 0.6)  # medians of 1.8, 2.2, 2 / 4.5, 5.5, 5 / 2.4, 2.6 / none / ...
     wide_times = (20.0, 50.0, 21.5, 51.0, 6.0)
     assert [times(c) for c in pooled] == [narrow_times, wide_times] * 3 + [times(costs[6]), times(costs[7])]
     assert [(c.saved_bytes, c.input_bytes) for c in pooled] == [(c.saved_bytes, c.input_bytes) for c in costs]
     assert _pooled_by_kind(costs[:1], layers[:1]) == costs[:1]  # a kind of one keeps its own costs
+
+
+def test_a_layer_far_from_its_kinds_median_keeps_its_own_time():
+    """Alike parameters, different work (a sliding-window layer among global ones): a time further
+    than POOL_TOLERANCE from the kind's median is not noise, and stays the layer's own."""
+    from offload_examples.instruments.plan_costs import POOL_TOLERANCE, _pooled_by_kind
+
+    layers = [torch.nn.Linear(8, 8) for _ in range(5)]
+    forward = [1.0, 1.1, 4.0, 0.9, 1.0]  # layer 2 computes four times as much
+    costs = [LayerCost(f, 2 * f, 100, 32, recompute_ms=f) for f in forward]
+    pooled = _pooled_by_kind(costs, layers)
+    assert [c.forward_ms for c in pooled] == [1.0, 1.0, 4.0, 1.0, 1.0]
+    assert [c.backward_ms for c in pooled] == [2.0, 2.0, 8.0, 2.0, 2.0]
+    assert pooled[2].recompute_ms == 4.0 and POOL_TOLERANCE == 0.25
 
 
 def test_a_bare_cuda_device_means_the_current_one(monkeypatch):

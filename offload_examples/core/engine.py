@@ -308,12 +308,17 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
         self._warned: set[str] = set()
         self.iteration = -1
         self._in_layer = False
-        self._passthrough = False  # entered under no_grad: saves nothing, counts for nothing
+        # Entries made under no_grad save nothing and count for nothing: how many are open, per thread
+        # (inference threads may share the engine; a real entry inside one of them is nesting)
+        self._passthrough = threading.local()
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         #: Which layers are hooked; an engine that offloads nothing is a probe and counts every layer.
         probe = not any(map(schedule.is_offloaded, range(self.model_layers)))
         self.counts = LayerCounts(every_iteration=probe if count_every_layer is None else count_every_layer)
         self._new_iteration()
+
+    def _passthrough_depth(self) -> int:
+        return getattr(self._passthrough, "depth", 0)
 
     # ------------------------------------------------------------------ controls (more: EngineSettings)
     def capturing(self) -> bool:
@@ -322,12 +327,13 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> OffloadEngine:
-        if self._in_layer or self._passthrough:  # also inside an entry made under no_grad
+        if self._in_layer:
             raise RuntimeError("the offload context is already active: it cannot be nested")
         if not torch.is_grad_enabled():  # nothing is saved for backward: not an entry of the step
-            self._passthrough = True
+            self._passthrough.depth = self._passthrough_depth() + 1
             return self
-        self._passthrough = False
+        if self._passthrough_depth():
+            raise RuntimeError("the offload context is already active (entered under no_grad): it cannot be nested")
         if getattr(_active, "engine", None) is not None:
             raise nested_error()
         if self.recorder is not None and self.capturing():
@@ -356,8 +362,8 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self._passthrough:
-            self._passthrough = False
+        if self._passthrough_depth():
+            self._passthrough.depth -= 1
             return
         if self._hooks is not None:
             self._hooks.__exit__(exc_type, exc, tb)

@@ -55,6 +55,11 @@ def _is_parameter(x: torch.Tensor) -> bool:
     return type(x) is not torch.Tensor and isinstance(x, torch.nn.Parameter)
 
 
+def _plain(x: torch.Tensor) -> bool:
+    """A tensor whose sizes and storage can be read: not a subclass, not nested."""
+    return type(x) in (torch.Tensor, torch.nn.Parameter) and not x.is_nested
+
+
 def _is_leaf_weight(x: torch.Tensor) -> bool:
     return _is_parameter(x) or (x.requires_grad and x.grad_fn is None and x._base is None)
 
@@ -62,6 +67,8 @@ def _is_leaf_weight(x: torch.Tensor) -> bool:
 def is_weight_like(t: torch.Tensor) -> bool:
     """Parameters, leaves that require grad, their views, and autocast's casts of them."""
     if t._base is not None:
+        if not _plain(t._base):  # a view of a nested tensor or a subclass: no weight of ours
+            return False
         # A view is judged by its base (a weight, or autocast's cast of one, seen through `.t()`):
         # views made inside a custom Function's forward carry requires_grad without a grad_fn,
         # yet their base is an activation.
@@ -72,7 +79,8 @@ def is_weight_like(t: torch.Tensor) -> bool:
     if fn is None:
         return False
     inputs = [f for f, _ in fn.next_functions if f is not None]
-    leaves = [f.variable for f in inputs if hasattr(f, "variable")]  # AccumulateGrad nodes carry `.variable`
+    # AccumulateGrad nodes carry `.variable`; a nested or subclass leaf has no storage to compare
+    leaves = [v for f in inputs if hasattr(f, "variable") and _plain(v := f.variable)]
     # An op that hands back its weights' own memory as a new tensor: Transformer Engine's fused QKV
     # weight, a "no-op cat" of three parameters that sit side by side in one buffer. The parameters
     # keep that memory; a copy would free nothing, and its reload would duplicate the weight.
@@ -96,6 +104,8 @@ def keep_reason(t: torch.Tensor, device: torch.device, min_bytes: int) -> str | 
         return f"tensor subclass {type(t).__name__}"
     if t.is_nested:  # before anything reads its sizes, which a nested tensor does not have
         return "a nested tensor"
+    if base is not None and not _plain(base):
+        return "a view of a nested tensor or a tensor subclass"
     if is_weight_like(t):
         return "a parameter, a leaf that requires grad, or a view or cast of one"
     if t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():

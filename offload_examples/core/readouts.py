@@ -129,6 +129,15 @@ class EngineReadouts:
             return None
 
 
+def _shape(x: torch.Tensor) -> tuple:
+    """``x``'s shape; for a nested tensor (which has none) its components' sizes, read on the host."""
+    if not x.is_nested:
+        return tuple(x.shape)
+    if x.layout == torch.jagged:  # its offsets live on the device: reading them would synchronize
+        return ("jagged", x.size(0), tuple(x.values().shape))
+    return ("nested", tuple(map(tuple, x._nested_tensor_size().tolist())))
+
+
 def _outer_hooks_active() -> bool:
     """Whether saved-tensor hooks of someone else (a checkpoint, ``save_on_cpu``) are active now."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
@@ -179,7 +188,7 @@ class LayerCounts:
 
     def output(self, layer: int, x: torch.Tensor) -> None:
         """``layer`` returned ``x``: a new shape or dtype means the counts are out of date."""
-        seen = (("nested", x.size(0)) if x.is_nested else tuple(x.shape), x.dtype)  # a nested tensor has no shape
+        seen = (_shape(x), x.dtype)
         if 0 <= layer < len(self._seen_outputs):
             self._seen_outputs[layer] = seen
         if self._counted is not None and layer < len(self._outputs) and self._outputs[layer] != seen:

@@ -126,7 +126,10 @@ def _pooled_by_kind(costs: Sequence[LayerCost], layers: Sequence[nn.Module]) -> 
     -------
     list[LayerCost]
         The costs with each time field the median of that field over the layer's kind, ``None``
-        values left out (``None`` where all of them are). The bytes stay each layer's own.
+        values left out (``None`` where all of them are), unless the layer's own time is further than
+        :data:`POOL_TOLERANCE` from it: layers alike in every parameter can still differ in what they
+        compute (a sliding-window attention layer beside global ones), and those keep their own
+        times. The bytes stay each layer's own.
 
     Notes
     -----
@@ -146,8 +149,22 @@ def _pooled_by_kind(costs: Sequence[LayerCost], layers: Sequence[nn.Module]) -> 
             values = [getattr(costs[i], name) for i in members if getattr(costs[i], name) is not None]
             medians[name] = statistics.median(values) if values else None
         for i in members:
-            pooled[i] = dataclasses.replace(costs[i], **medians)
+            pooled[i] = dataclasses.replace(costs[i], **{
+                name: m for name, m in medians.items() if _near(getattr(costs[i], name), m)})
     return pooled
+
+
+#: How far (relative) a layer's time may be from its kind's median and still be taken as noise.
+POOL_TOLERANCE = 0.25
+
+
+def _near(value: float | None, median: float | None) -> bool:
+    """Whether ``value`` is missing or within :data:`POOL_TOLERANCE` of ``median``: a layer whose time
+    is further off differs in what it computes (sliding-window against global attention, say), which
+    alike parameters cannot tell apart, and keeps its own time."""
+    if value is None or median is None:
+        return True
+    return abs(value - median) <= POOL_TOLERANCE * abs(median)
 
 
 def _medians(runs: list[tuple[list[float], list[float]]], n: int) -> tuple[list[float], list[float]]:
