@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from offload_examples.core.schedule import DefaultSchedule
 from offload_examples.features import planner
 from offload_examples.features.planner import (
+    TIME_FIELDS,
     KEEP,
     OFFLOAD,
     RECOMPUTE,
@@ -344,9 +345,6 @@ def test_measured_costs_match_what_each_layer_saves_and_takes_in():
     assert costs[-1].offloaded_forward_ms is None and all(c.recompute_ms >= 0 for c in costs)
     link = measure_link("cpu", nbytes=2**20)
     assert link.d2h_gb_per_s > 0 and link.h2d_gb_per_s == link.d2h_gb_per_s
-
-
-TIME_FIELDS = ("forward_ms", "backward_ms", "offloaded_forward_ms", "offloaded_backward_ms", "recompute_ms")
 
 
 def times(cost: LayerCost) -> tuple:

@@ -73,6 +73,10 @@ def _check(cls: str, name: str, value: Any, kind: type) -> None:
         raise ValueError(f"{cls}.{name} must be a finite {kind.__name__} >= 0, got {value!r}")
 
 
+#: :class:`LayerCost`'s times, in milliseconds (the other fields are bytes).
+TIME_FIELDS = ("forward_ms", "backward_ms", "offloaded_forward_ms", "offloaded_backward_ms", "recompute_ms")
+
+
 @dataclass(frozen=True)
 class LayerCost:
     """One layer's measured costs: compute time (ms) and what its forward holds for backward (bytes).
@@ -99,8 +103,7 @@ class LayerCost:
 
     def scaled(self, factor: float) -> LayerCost:
         """The same costs with every time multiplied by ``factor`` (the bytes unchanged)."""
-        times = ("forward_ms", "backward_ms", "offloaded_forward_ms", "offloaded_backward_ms", "recompute_ms")
-        return dataclasses.replace(self, **{name: getattr(self, name) * factor for name in times
+        return dataclasses.replace(self, **{name: getattr(self, name) * factor for name in TIME_FIELDS
                                             if getattr(self, name) is not None})
 
     @property

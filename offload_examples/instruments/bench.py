@@ -93,12 +93,12 @@ PLANNER_BUDGETS = ("engine", "checkpoint")
 #: :func:`check_planner`'s limits: the planner's paired overhead may exceed the best pure strategy's
 #: by this much (step-to-step noise), and its predicted peak and step may miss the measured ones by this much.
 PLANNER_TIME_NOISE = 0.02
-#: The strategies also measured against each other, step by step (model A, k = 2 and 4).
-HEAD_TO_HEAD = ("engine", "transformer_engine")
 PLANNER_PREDICTION_ERROR = 0.05
 #: Measured peaks this close (relative) count as the same: a plan equal in bytes to a pure run also has
 #: the engine's bookkeeping (1 KiB more than ``checkpoint`` on model A-torch on an H100).
 PLANNER_PEAK_NOISE = 0.001
+#: The strategies also measured against each other, step by step (model A, k = 2 and 4).
+HEAD_TO_HEAD = ("engine", "transformer_engine")
 
 
 @dataclass(frozen=True)

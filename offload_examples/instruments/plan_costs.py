@@ -34,7 +34,7 @@ from torch import nn
 from offload_examples.core.api import get_cpu_offload_context
 from offload_examples.core.engine import OffloadEngine
 from offload_examples.core.schedule import DefaultSchedule
-from offload_examples.features.planner import Checkpointed, LayerCost, LinkCost
+from offload_examples.features.planner import TIME_FIELDS, Checkpointed, LayerCost, LinkCost
 from offload_examples.instruments.measure import training_step
 from offload_examples.instruments.timeline import per_layer_ms, record_layer_timeline
 
@@ -102,9 +102,6 @@ def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 3,
     return (_pooled_by_kind(costs, layers) if pool_kinds else costs), base
 
 
-_TIMES = ("forward_ms", "backward_ms", "offloaded_forward_ms", "offloaded_backward_ms", "recompute_ms")
-
-
 def _kind(layer: nn.Module, cost: LayerCost) -> tuple:
     """What makes two layers the same kind: class, parameters and buffers (name, shape, dtype), bytes."""
     tensors = itertools.chain(layer.named_parameters(), layer.named_buffers())
@@ -145,7 +142,7 @@ def _pooled_by_kind(costs: Sequence[LayerCost], layers: Sequence[nn.Module]) -> 
     pooled = list(costs)
     for members in groups.values():
         medians = {}
-        for name in _TIMES:
+        for name in TIME_FIELDS:
             values = [getattr(costs[i], name) for i in members if getattr(costs[i], name) is not None]
             medians[name] = statistics.median(values) if values else None
         for i in members:
