@@ -301,7 +301,7 @@ def test_bench_short_gpu_run(tmp_path):
 
 def test_engine_is_checked_against_transformer_engines_offload_and_its_code_path():
     """Model A's targets compare the engine with TE's offload (saving and overhead, same run), and the
-    report says how TE's context alone changed the step (its layers take another attention path)."""
+    report says what TE's context alone and TE's default path (outside any offload) changed."""
     def run(strategy, k, overhead, saving=None):
         return {"strategy": strategy, "k": k, "status": "ok", "overhead": overhead, "saving_bytes": saving,
                 "saving_ratio": 1.0, "step_over_bound": 1.0, "d2h_of_link": 1.0, "h2d_of_link": 1.0,
@@ -318,9 +318,14 @@ def test_engine_is_checked_against_transformer_engines_offload_and_its_code_path
     assert checks["model A, k=2: overhead <= Transformer Engine's"]["detail"] == (
         "separate runs: engine +3.0%, TE +2.0%; TE's context alone: -8.0%")
     (note,) = bench._te_path_note(runs)
-    assert "nothing offloaded a step took -8.0% against no offload" in note
-    assert "k = 2: +10.9%" in note and "k = 4: +21.7%" in note  # 1.02 / 0.92 - 1, 1.12 / 0.92 - 1
+    assert note == "TE's context with nothing offloaded (its hooks on every layer): -8.0%."
     assert bench._te_path_note(runs[:1] + runs[2:]) == []  # without the context-only run: nothing to say
+    # with TE's default path measured beside the baseline (which ran on TE's offload path), both say so
+    runs.insert(1, run(bench.TE_DEFAULT_PATH, 0, 0.11, 0))
+    (note,) = bench._te_path_note(runs)
+    assert "default path) a step took +11.0% against \"no offload\" (median of 4 pairs)" in note
+    checks = {c["target"]: c for c in bench.check_targets(results)}
+    assert checks["model A, k=2: overhead <= 1%"]["detail"].endswith("; TE's default path without offloading: +11.0%")
 
 
 def test_the_step_by_step_comparison_with_transformer_engine_decides_the_overhead_target():

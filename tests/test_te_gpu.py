@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from offload_examples import get_cpu_offload_context
+from offload_examples.core import te_path
 from offload_examples.instruments.bench import _held_bytes
 from offload_examples.instruments.measure import compare_grads, measure_steps
 from offload_examples.instruments.te_compare import RECIPES, TeModel, fp8_autocast, te_tutorial_model
@@ -93,23 +94,33 @@ def test_gpu_te_gpu_plus_host_bytes_equal_the_bytes_without_offloading(te, cuda)
     assert ctx.live_views == 0 and ctx.resident_bytes == 0
 
 
+def recipe_steps(te, cuda, recipe, x, ctx=None, sync=None, offload_path=True):
+    """Two steps of a fresh model (FP8 scaling state starts anew) under ``recipe``; TE's layers on their
+    offload path (as inside either offload) or on their default path."""
+    model = tutorial_model(te, cuda)
+    with fp8_autocast(recipe), te_path.offload_path(offload_path):
+        return measure_steps(model, x, ctx, sync, steps=2, warmup=1)
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_gpu_te_gradients_are_bitwise_equal_under_every_recipe(te, cuda, recipe):
-    """Offloading changes no bit of the output or of any gradient, in bf16 and under FP8 autocast."""
-    def autocast():
-        return fp8_autocast(recipe)
-
+    """Offloading changes no bit of the output or of any gradient, in bf16 and under FP8 autocast
+    (against the same computation without offloading: TE's layers on their offload path)."""
     x = data(cuda)
-
-    def steps(ctx=None, sync=None):
-        model = tutorial_model(te, cuda)  # a fresh model each time: FP8 scaling state starts anew
-        with autocast():
-            return measure_steps(model, x, ctx, sync, steps=2, warmup=1)
-
-    ref, again = steps(), steps()
+    ref, again = recipe_steps(te, cuda, recipe, x), recipe_steps(te, cuda, recipe, x)
     assert compare_grads(ref, again).equal, "the run without offloading is not deterministic here"
     ctx, sync = get_cpu_offload_context(enabled=True, num_layers=K, model_layers=LAYERS)
-    got = steps(ctx, sync)
+    got = recipe_steps(te, cuda, recipe, x, ctx, sync, offload_path=False)  # the engine turns the path on itself
     check = compare_grads(ref, got)
     assert check.equal, check
     assert sum(s.offloaded_bytes for s in ctx.stats) > 0
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_gpu_te_offload_path_gives_the_default_paths_bits(te, cuda, recipe):
+    """The path TE's layers take inside an offload context (which the engine turns on: core/te_path.py)
+    computes the same output and gradients, bit for bit, as their default path."""
+    x = data(cuda)
+    default = recipe_steps(te, cuda, recipe, x, offload_path=False)
+    check = compare_grads(default, recipe_steps(te, cuda, recipe, x))
+    assert check.equal, check

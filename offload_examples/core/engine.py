@@ -73,6 +73,7 @@ from .policy import (NOT_FROM_AUTOGRAD, OUTSIDE_SELECTION, KeptTensor as _Kept, 
 from .schedule import DefaultSchedule, ManualSchedule, SyncDictSchedule
 from .streams import Streams, resolve_device
 from .synchronizer import OffloadSynchronizer
+from . import te_path
 
 __all__ = [
     "GraphCaptureError", "LayerState", "LayerStats", "OffloadEngine", "OffloadWarning", "mark_not_offload",
@@ -312,6 +313,7 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
         # (inference threads may share the engine; a real entry inside one of them is nesting)
         self._passthrough = threading.local()
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._te_switched = False  # this entry turned Transformer Engine's offload path on (te_path)
         #: Which layers are hooked; an engine that offloads nothing is a probe and counts every layer.
         probe = not any(map(schedule.is_offloaded, range(self.model_layers)))
         self.counts = LayerCounts(every_iteration=probe if count_every_layer is None else count_every_layer)
@@ -357,6 +359,9 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
         if self.counts.hooked(j, self.schedule.is_offloaded(j), self.stats):
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._hooks.__enter__()
+        # last, so that a failed entry leaves it off: TE's layers take the path they take under TE's offload
+        te_path.switch_on()
+        self._te_switched = True
         return self
 
     def __exit__(
@@ -365,6 +370,9 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
         if self._passthrough_depth():
             self._passthrough.depth -= 1
             return
+        if self._te_switched:  # once per entry, even if a stray second __exit__ comes
+            self._te_switched = False
+            te_path.switch_off()
         if self._hooks is not None:
             self._hooks.__exit__(exc_type, exc, tb)
             self._hooks = None

@@ -40,6 +40,7 @@ from torch import nn
 from ..core.engine import OffloadEngine
 from ..core.schedule import DefaultSchedule, Phase
 from ..core.streams import resolve_device
+from ..core.te_path import recompute_on_same_path
 
 __all__ = [
     "KEEP", "OFFLOAD", "RECOMPUTE", "Checkpointed", "Choice", "LayerCost", "LinkCost", "Plan", "SubsetSchedule",
@@ -423,7 +424,8 @@ def pareto(costs: Sequence[LayerCost], link: LinkCost, base_bytes: int = 0, pref
 class Checkpointed(nn.Module):
     """Wrap a layer in activation recomputation (``torch.utils.checkpoint``, non-reentrant).
 
-    Only the layer's input is kept for backward; its forward runs again during backward.
+    Only the layer's input is kept for backward; its forward runs again during backward, on the path
+    Transformer Engine's layers took the first time (:func:`~offload_examples.core.te_path.recompute_on_same_path`).
     """
 
     def __init__(self, layer: nn.Module):
@@ -433,7 +435,7 @@ class Checkpointed(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from torch.utils.checkpoint import checkpoint
 
-        return checkpoint(self.layer, x, use_reentrant=False)
+        return checkpoint(self.layer, x, use_reentrant=False, context_fn=recompute_on_same_path)
 
 
 def apply_plan(chosen: Plan, layers: Sequence[nn.Module], device: torch.device | str | None = None,

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from offload_examples.core import te_path
 from offload_examples.core.api import get_cpu_offload_context
 from offload_examples.instruments.measure import Measurement, compare_grads, measure_steps
 from offload_examples.instruments.models import import_transformer_engine
@@ -70,10 +71,11 @@ def fp8_autocast(recipe: str) -> contextlib.AbstractContextManager:
     return te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe)
 
 
-def _run(size: TeModel, x: torch.Tensor, recipe: str, offload: Callable[[int], Any] | None, steps: int) -> Measurement:
+def _run(size: TeModel, x: torch.Tensor, recipe: str, offload: Callable[[int], Any] | None, steps: int,
+         offload_path: bool = True) -> Measurement:
     model = te_tutorial_model(size, x.device)
     ctx, sync = offload(size.layers) if offload else (None, None)
-    with fp8_autocast(recipe):
+    with fp8_autocast(recipe), te_path.offload_path(offload_path):
         return measure_steps(model, x, ctx, sync, steps=steps, warmup=2)
 
 
@@ -85,6 +87,10 @@ def compare_with_te(size: TeModel, k: int, recipe: str = "bf16", steps: int = 5)
     one) and ``bitwise_equal`` (output and every gradient equal to the run without offloading). A
     second run without offloading first checks that the model is deterministic here, so a
     difference can only come from the offloading.
+
+    Inside either offload TE's layers take their offload path (:mod:`offload_examples.core.te_path`),
+    so the runs without offloading take it too; the row ``"no offload, TE's default path"`` is the
+    model outside any offload context, and its ``bitwise_equal`` says whether the path changes the result.
     """
     if not torch.cuda.is_available():
         raise RuntimeError("compare_with_te needs CUDA (and Transformer Engine)")
@@ -98,7 +104,7 @@ def compare_with_te(size: TeModel, k: int, recipe: str = "bf16", steps: int = 5)
     theirs = lambda n: te.get_cpu_offload_context(True, k, n, True, False)  # noqa: E731
     base = _run(size, x, recipe, None, steps)
     again = _run(size, x, recipe, None, steps)
-    rows = {"no offload": base}
+    rows = {"no offload": base, "no offload, TE's default path": _run(size, x, recipe, None, steps, False)}
     rows["this engine"] = _run(size, x, recipe, ours, steps)
     rows["Transformer Engine"] = _run(size, x, recipe, theirs, steps)
     out: dict[str, Any] = {"recipe": recipe, "k": k, "deterministic": compare_grads(base, again).equal}
