@@ -42,7 +42,8 @@ def test_gpu_te_tutorial_loop_runs_unchanged_and_offloads_everything_the_layers_
     up at least 97% of what their forwards hold (measured by the allocator, not by any engine)."""
     model, x = tutorial_model(te, cuda), data(cuda)
     measure_steps(model, x, steps=1, warmup=1)  # TE's workspaces and caches exist from here on
-    held = _held_bytes(model, x)
+    with te_path.offload_path():  # what the layers hold on the path they take inside the context
+        held = _held_bytes(model, x)
     ctx, sync = get_cpu_offload_context(enabled=True, num_layers=K, model_layers=LAYERS)
     h = x
     for layer in model:  # the tutorial's loop, as written there
