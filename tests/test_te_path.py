@@ -104,27 +104,6 @@ def test_recomputation_runs_on_the_path_of_its_first_forward(fake_te):
     assert spy.seen == [False, False]
 
 
-def test_tes_mark_not_offload_is_honoured():
-    """TE's ``mark_not_offload`` sets ``_TE_do_not_offload``; the engine keeps such tensors, as TE does."""
-    def offloaded(mark: bool) -> tuple[int, int]:
-        ctx, sync = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2, device="cpu")
-        x = torch.randn(64, 64, requires_grad=True)
-        with ctx:
-            y = x * 2
-            if mark:
-                y._TE_do_not_offload = True
-            z = y * y.exp()  # saves y, and exp's output
-        z = sync(z)
-        with ctx:
-            out = z.sum() * 1.0
-        sync(out).backward()
-        return ctx.stats[0].offloaded_bytes, ctx.stats[0].kept_tensors
-
-    plain, marked = offloaded(False), offloaded(True)
-    assert marked[0] == plain[0] - 64 * 64 * 4  # y's bytes stayed
-    assert marked[1] > plain[1]
-
-
 def test_a_graph_walked_twice_recomputes_twice(fake_te):
     """``retain_graph=True``: torch recomputes the checkpointed layer once per backward, and the
     recomputation's context is entered each time."""

@@ -5,7 +5,7 @@ gives its GPU memory back. That is not so for
 
 - parameters, leaves that require grad, their views, autocast's casts of them, and what an op
   returns on their own memory (the model or autocast's cache holds them anyway);
-- tensors marked with :func:`mark_not_offload` (or Transformer Engine's), on another device, or too small to pay for a copy;
+- tensors marked with :func:`mark_not_offload`, on another device, or too small to pay for a copy;
 - tensor subclasses, nested, sparse, quantized, conjugated or negated views (kept, with a warning
   for subclasses and nested tensors);
 - data that something outside the saved-tensor graph still holds: a micro-batch cut from a batch
@@ -33,8 +33,6 @@ __all__ = ["NOT_FROM_AUTOGRAD", "OUTSIDE_SELECTION", "KeptTensor", "ModuleSelect
            "is_weight_like", "keep_reason", "mark_not_offload", "version_witness"]
 
 _KEEP_ATTR = "_offload_examples_keep"
-#: What Transformer Engine's ``mark_not_offload`` sets (its modules mark their weights when an offload is on).
-_TE_KEEP_ATTR = "_TE_do_not_offload"
 #: :func:`keep_reason`'s answer for tensors decided at the end of the layer (see the module docstring).
 NOT_FROM_AUTOGRAD = "not made by autograd: decided at the end of the layer"
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
@@ -50,11 +48,6 @@ def mark_not_offload(*tensors: torch.Tensor) -> None:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"mark_not_offload expects tensors, got {type(t).__name__}")
         setattr(t, _KEEP_ATTR, True)
-
-
-def _marked(t: torch.Tensor) -> bool:
-    """Marked by this package's :func:`mark_not_offload` or by Transformer Engine's."""
-    return getattr(t, _KEEP_ATTR, False) or getattr(t, _TE_KEEP_ATTR, False)
 
 
 def _is_parameter(x: torch.Tensor) -> bool:
@@ -105,7 +98,7 @@ def keep_reason(t: torch.Tensor, device: torch.device, min_bytes: int) -> str | 
     if t.device != device:
         return "on another device"
     base = t._base
-    if _marked(t) or (base is not None and _marked(base)):
+    if getattr(t, _KEEP_ATTR, False) or (base is not None and getattr(base, _KEEP_ATTR, False)):
         return "marked with mark_not_offload"
     if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
         return f"tensor subclass {type(t).__name__}"

@@ -3,7 +3,8 @@
 Transformer Engine's modules ask ``transformer_engine.pytorch.cpu_offload.is_cpu_offload_enabled()``
 during their forward, and when it answers yes they take the path TE wrote for offloading: the
 attention slices q, k and v off the fused projection instead of handing the packed buffer to
-``DotProductAttention``, weights are marked not to be offloaded, and tensors are marked ready to copy.
+``DotProductAttention``, and tensors are marked for TE's offload (weights to skip, activations ready to copy;
+the engine does not read these marks: it offloads what frees memory).
 TE's own offload context turns that answer on for as long as it is entered (TE 2.x: by setting the
 module's ``OFFLOAD_SYNCHRONIZER``); the engine does the same, so that TE's layers run the same
 computation under either offload, and comparing the two compares their offloading only.
