@@ -3,14 +3,15 @@
 Transformer Engine's modules ask ``transformer_engine.pytorch.cpu_offload.is_cpu_offload_enabled()``
 during their forward, and when it answers yes they take the path TE wrote for offloading: the
 attention slices q, k and v off the fused projection instead of handing the packed buffer to
-``DotProductAttention``, and tensors are marked for TE's offload (weights to skip, activations ready to copy;
-the engine does not read these marks: it offloads what frees memory).
+``DotProductAttention``, and tensors are marked for TE's offload (weights to skip, activations ready to
+copy; the engine does not read these marks).
 TE's own offload context turns that answer on for as long as it is entered (TE 2.x: by setting the
 module's ``OFFLOAD_SYNCHRONIZER``); the engine does the same, so that TE's layers run the same
 computation under either offload, and comparing the two compares their offloading only.
 
 The path matters for speed, not for the result: gradients on it are bitwise those of the default
-path in the GPU tests, and on TE 2.20.2 its backward was faster (docs/runs/, session 8). Only the
+path in the GPU tests (bf16 and both FP8 recipes), and on TE 2.20.2 its backward was faster
+(``docs/runs/2026-11-24-h100-session8/``). Only the
 presence of a value is read by TE 2.x, so the engine sets :data:`ENGINE_ACTIVE`, a marker that
 refuses every attribute access with a clear error should a later TE version expect a real
 synchronizer there. Like TE's own context, the switch is global to the process, not to a thread:

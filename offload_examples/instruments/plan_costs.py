@@ -123,10 +123,10 @@ def _pooled_by_kind(costs: Sequence[LayerCost], layers: Sequence[nn.Module]) -> 
     -------
     list[LayerCost]
         The costs with each time field the median of that field over the layer's kind, ``None``
-        values left out (``None`` where all of them are), unless the layer's own time is further than
-        :data:`POOL_TOLERANCE` from it: layers alike in every parameter can still differ in what they
-        compute (a sliding-window attention layer beside global ones), and those keep their own
-        times. The bytes stay each layer's own.
+        values left out (``None`` where all of them are), unless the layer's own forward or backward
+        time is further than :data:`POOL_TOLERANCE` from the kind's: layers alike in every parameter
+        can still differ in what they compute (a sliding-window attention layer beside global ones),
+        and those keep all their own times. The bytes stay each layer's own.
 
     Notes
     -----
@@ -145,14 +145,19 @@ def _pooled_by_kind(costs: Sequence[LayerCost], layers: Sequence[nn.Module]) -> 
         for name in TIME_FIELDS:
             values = [getattr(costs[i], name) for i in members if getattr(costs[i], name) is not None]
             medians[name] = statistics.median(values) if values else None
-        for i in members:
-            pooled[i] = dataclasses.replace(costs[i], **{
-                name: m for name, m in medians.items() if _near(getattr(costs[i], name), m)})
+        for i in members:  # a layer that computes differently keeps every time of its own
+            if all(_near(getattr(costs[i], name), medians[name]) for name in ALIKE_FIELDS):
+                pooled[i] = dataclasses.replace(costs[i], **medians)
     return pooled
 
 
 #: How far (relative) a layer's time may be from its kind's median and still be taken as noise.
 POOL_TOLERANCE = 0.25
+#: The times that tell whether a layer computes what its kind computes: measured directly. The
+#: others are differences of two runs (``recompute_ms``), whose relative noise is larger: on 12 TE
+#: layers one layer's recomputation measured 27 % below its kind's and the search recomputed exactly
+#: that layer (bench of session 8, step errors up to +20 %).
+ALIKE_FIELDS = ("forward_ms", "backward_ms")
 
 
 def _near(value: float | None, median: float | None) -> bool:
