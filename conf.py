@@ -67,6 +67,11 @@ stored_sources = {
     # two H200s of one host, NCCL: the two-stage pipeline and FSDP2 on two ranks
     "pipeline-2gpu": "docs/runs/2026-11-24-h100-session7/h200x2/pipeline_dist_nccl.json",
     "fsdp-2gpu": "docs/runs/2026-11-24-h100-session7/h200x2/fsdp_2gpu_nccl.json",
+    "te-bench8": "docs/runs/2026-11-24-h100-session8/bench_A20/bench.json#models[A]",
+    "te-bench8-md": "docs/runs/2026-11-24-h100-session8/bench_A20/bench.md",
+    "gpu-session8": "docs/runs/2026-11-24-h100-session8/README.md",
+    "plan-bench8": "docs/runs/2026-11-24-h100-session8/bench_planner/bench.json",
+    "paths8": "docs/runs/2026-11-24-h100-session8/paths_prof15.txt",
 }
 
 extensions = [
