@@ -345,3 +345,57 @@ def test_threads_share_an_engine_for_no_grad_entries():
     assert errors == []
     model, x = build_linear_stack(2, 16), data()
     training_step(model, x, *offload(1, 2))
+
+
+def test_sync_after_a_no_grad_entry_hooks_nothing():
+    """An eval pass under no_grad whose layers hand back their input (Identity, eval-mode Dropout) and
+    whose input requires grad: sync neither fails ("before any layer ran") nor leaves a hook on that
+    tensor, pass after pass; training steps around it keep their schedule."""
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2, device="cpu")
+    x = torch.randn(4, 4, requires_grad=True)
+
+    def eval_pass():
+        with torch.no_grad():
+            h = x
+            for layer in (torch.nn.Identity(), torch.nn.Dropout().eval()):
+                with ctx:
+                    h = layer(h)
+                h = sync(h)
+        return h
+
+    assert eval_pass() is x  # before any real entry
+    lin = torch.nn.Linear(4, 4)
+    for _ in range(2):
+        h = x
+        for _layer in range(2):
+            with ctx:
+                h = lin(h)
+            h = sync(h)
+        h.sum().backward()
+        eval_pass()
+    assert not x._backward_hooks
+    assert [e for e in ctx.events if e[0] == "backward"] == [("backward", 1), ("backward", 0)]
+
+
+def test_a_no_grad_entry_between_a_layer_and_its_sync_keeps_the_layers_hook():
+    """A teacher run under no_grad through the same context between a student layer and its sync
+    (found by review): the student's output, made with grad enabled, is still marked, so reloads
+    start at their backward and a reentrant checkpoint's no_grad forward still fails loudly."""
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2, device="cpu")
+    student, teacher = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    x = torch.randn(4, 4, requires_grad=True)
+    h, t = x, x.detach()
+    for _ in range(2):
+        with ctx:
+            h = student(h)
+        with torch.no_grad(), ctx:
+            t = teacher(t)
+        h = sync(h)
+    h.sum().backward()
+    assert [e for e in ctx.events if e[0] in ("backward", "reload_start")] == [
+        ("backward", 1), ("reload_start", 0), ("backward", 0)]
+    ctx.reset()
+    with pytest.raises(RuntimeError, match="before any layer ran"):
+        with torch.no_grad(), ctx:  # what a reentrant checkpoint's forward looks like to the context
+            out = student(x)
+        sync(out + 0 * x)  # reentrant checkpoint's output: made with grad enabled (it has a grad_fn)

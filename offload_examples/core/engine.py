@@ -333,6 +333,7 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
             raise RuntimeError("the offload context is already active: it cannot be nested")
         if not torch.is_grad_enabled():  # nothing is saved for backward: not an entry of the step
             self._passthrough.depth = self._passthrough_depth() + 1
+            self._passthrough.last = True  # its output's sync hooks nothing (see sync)
             return self
         if self._passthrough_depth():
             raise RuntimeError("the offload context is already active (entered under no_grad): it cannot be nested")
@@ -355,6 +356,7 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
                 raise
         self._layer = j
         self._in_layer = True
+        self._passthrough.last = False
         _active.engine = self
         if self.counts.hooked(j, self.schedule.is_offloaded(j), self.stats):
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -405,6 +407,12 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"sync expects the layer's output tensor, got {type(x).__name__}")
         if not x.requires_grad:  # no backward will come (a no_grad pass): nothing to hook
+            return x
+        if x.grad_fn is None and getattr(self._passthrough, "last", False):
+            # The layer ran under no_grad and handed back a leaf that requires grad (its input, through
+            # an Identity or an eval-mode Dropout): no layer of the step made it, so there is nothing to
+            # mark, and a hook would stay on that leaf, which the caller keeps, for good. (An output
+            # with a grad_fn was made with grad enabled: a real layer's, whatever entries came since.)
             return x
         if self._entered == 0:
             raise RuntimeError("sync was called before any layer ran inside the offload context")

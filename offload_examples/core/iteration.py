@@ -33,6 +33,7 @@ class EngineIterations:
         if self._in_layer:
             raise RuntimeError("reset() was called inside the offload context; call it between steps")
         self._passthrough.depth = 0  # an entry made under no_grad in this thread and never left
+        self._passthrough.last = False
         self._abort()
 
     def _new_iteration(self) -> None:
