@@ -77,9 +77,16 @@ def expected_events(n: int, k: int) -> list[tuple[str, int]]:
     for j in reversed(range(n)):
         events.append(("backward", j))
         for i in range(k):
-            if j == i + max(1, n - 2 - k):  # layer i's reload starts with the backward of i + max(1, N-2-k)
+            if j == reload_at(n, k, i):
                 events.append(("reload_start", i))
     return events
+
+
+def reload_at(n: int, k: int, i: int) -> int:
+    """Layer i's reload starts with the backward of i + max(1, N-2-k); layer k-1's (needed first) with
+    that of N-2 if that is later."""
+    at = i + max(1, n - 2 - k)
+    return max(at, n - 2) if i == k - 1 else at
 
 
 @pytest.mark.parametrize("n,k", [(2, 1), (4, 0), (5, 2), (6, 5), (8, 3)])
@@ -143,8 +150,8 @@ def test_resident_bytes_match_the_schedule():
     def expected(phase, j):  # offloaded layers on the device, counted independently
         if phase == "forward":
             return sum(per_layer[i] for i in range(k) if i <= j < n - k + i)
-        # reloaded at the backward of i + max(1, N-2-k), freed when its own backward ends
-        return sum(per_layer[i] for i in range(k) if i <= j <= i + max(1, n - 2 - k))
+        # reloaded at the backward of reload_at(...), freed when its own backward ends
+        return sum(per_layer[i] for i in range(k) if i <= j <= reload_at(n, k, i))
 
     trace = ctx.resident_trace
     assert [(p, j) for p, j, _ in trace] == [("forward", j) for j in range(n)] + [

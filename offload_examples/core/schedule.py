@@ -38,9 +38,18 @@ class DefaultSchedule:
       ``N - k`` layers' activations are on the GPU at once.
     - Its reload starts when the backward of layer ``i + max(1, N - 2 - k)`` starts. That leaves
       ``N - 2 - k`` layers of backward compute to hide the copy behind, and keeps at most
-      ``N - 1 - k`` layers resident at any backward phase: one layer fewer than the forward's
-      peak, which leaves room for the weight gradients and temporaries the backward allocates
-      on top of the activations (without it the backward, not the forward, becomes the peak).
+      ``N - 1 - k`` layers resident at the later backward phases: one layer fewer than the
+      forward's peak, which leaves room for the weight gradients the backward accumulates on
+      top of the activations (without it the backward, not the forward, becomes the peak).
+    - The reload needed first (layer ``k - 1``) starts earlier, with the backward of layer
+      ``N - 2`` (:meth:`reload_trigger`). By then the first backward has freed a layer, so the
+      device holds ``N - k`` layers, as at the forward's peak, beside one layer's gradients.
+      When the copies take longer than the compute they hide behind, the reloads run back to
+      back, and the first one's start sets when the last one ends: starting it one layer
+      earlier gives the whole chain one more layer of backward compute. (Transformer Engine
+      2.x starts every reload one layer earlier, at ``N - 1 - k + i``; only the first gains
+      time, the others wait for it, and each one started early holds another layer beside
+      more gradients.)
 
     Parameters
     ----------
@@ -103,16 +112,33 @@ class DefaultSchedule:
     def actions(self, phase: Phase, layer: int) -> list[Action]:
         """What to do when ``phase`` of ``layer`` starts, in order."""
         n, k = self.model_layers, self.num_layers
-        if phase == "forward":
-            i = layer - (n - k)
-            return [("release", i)] if 0 <= i < k else []
-        i = layer - self.reload_lead
-        return [("reload", i)] if 0 <= i < k else []
+        offloaded = self.offloaded_layers
+        if phase == "forward":  # the j-th offloaded layer is released before the forward of N - k + j
+            j = layer - (n - k)
+            return [("release", offloaded[j])] if 0 <= j < k else []
+        due = [s for j, s in enumerate(offloaded) if self.reload_trigger(j) == layer]
+        return [("reload", s) for s in reversed(due)]  # the one needed first first
+
+    @property
+    def offloaded_layers(self) -> Sequence[int]:
+        """The offloaded layers in forward order (here the first ``k``)."""
+        return range(self.num_layers)
 
     @property
     def reload_lead(self) -> int:
-        """How many layers before its own backward an offloaded layer's reload starts."""
+        """How many layers before its own backward an offloaded layer's reload starts (all but the
+        one needed first, see :meth:`reload_trigger`)."""
         return max(1, self.model_layers - 2 - self.num_layers)
+
+    def reload_trigger(self, j: int) -> int:
+        """The layer whose backward starts the reload of the ``j``-th offloaded layer (from 0).
+
+        ``s + reload_lead`` for offloaded layer ``s``, but no later than the first backward; the
+        last offloaded layer, whose backward comes first among them, no earlier than ``N - 2``.
+        """
+        n, s = self.model_layers, self.offloaded_layers[j]
+        at = min(n - 1, s + self.reload_lead)
+        return max(at, n - 2) if j == self.num_layers - 1 else at
 
     def timeline(self) -> list[tuple[Phase, int]]:
         """The order in which layer phases start in one iteration."""

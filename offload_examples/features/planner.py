@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ..core.engine import OffloadEngine
-from ..core.schedule import DefaultSchedule, Phase
+from ..core.schedule import DefaultSchedule
 from ..core.streams import resolve_device
 from ..core.te_path import recompute_on_same_path
 
@@ -143,8 +143,9 @@ class SubsetSchedule(DefaultSchedule):
 
     With ``s_0 < ... < s_{k-1}`` offloaded (never layer ``N - 1``, so ``s_j < N - k + j``), ``s_j``
     is released when the forward of ``N - k + j`` starts and reloaded when the backward of
-    ``min(N - 1, s_j + reload_lead)`` starts (the one needed first first). For ``s_j = j`` these are
-    DefaultSchedule's points; the engine runs only those.
+    ``min(N - 1, s_j + reload_lead)`` starts, ``s_{k-1}`` no later than that of ``N - 2``
+    (:meth:`~offload_examples.DefaultSchedule.reload_trigger`; the one needed first first). For
+    ``s_j = j`` these are DefaultSchedule's points.
     """
 
     layers: tuple[int, ...] = ()
@@ -158,12 +159,9 @@ class SubsetSchedule(DefaultSchedule):
     def is_offloaded(self, layer: int) -> bool:
         return layer in self.layers
 
-    def actions(self, phase: Phase, layer: int) -> list[tuple[str, int]]:
-        n, k = self.model_layers, self.num_layers
-        if phase == "forward":
-            return [("release", s) for j, s in enumerate(self.layers) if n - k + j == layer]
-        due = [s for s in self.layers if min(n - 1, s + self.reload_lead) == layer]
-        return [("reload", s) for s in sorted(due, reverse=True)]
+    @property
+    def offloaded_layers(self) -> tuple[int, ...]:
+        return self.layers
 
 
 def _schedule(offloaded: list[int], n: int) -> DefaultSchedule:
