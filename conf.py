@@ -72,6 +72,8 @@ stored_sources = {
     "gpu-session8": "docs/runs/2026-11-24-h100-session8/README.md",
     "plan-bench8": "docs/runs/2026-11-24-h100-session8/bench_planner/bench.json",
     "paths8": "docs/runs/2026-11-24-h100-session8/paths_prof15.txt",
+    "reload9": "docs/runs/2026-11-24-h100-session9/prof17_reload_timing.txt",
+    "te-bench9": "docs/runs/2026-11-24-h100-session9/bench_A20_early_first_reload/bench.json#models[A]",
 }
 
 extensions = [

@@ -52,7 +52,7 @@ def test_signature_matches_transformer_engine():
     assert defaults == [False, 1, 2 - 1, True, False, False, False, False, None]
     keyword_only = [name for name, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
     assert keyword_only == ["synchronization_dict", "min_offload_bytes", "host_memory_limit", "device",
-                            "max_offload_bytes_per_layer"]
+                            "max_offload_bytes_per_layer", "early_first_reload"]
 
 
 def test_megatron_positional_call_returns_a_pair_and_trains_bitwise_equal():

@@ -77,16 +77,46 @@ def expected_events(n: int, k: int) -> list[tuple[str, int]]:
     for j in reversed(range(n)):
         events.append(("backward", j))
         for i in range(k):
-            if j == reload_at(n, k, i):
+            if j == i + max(1, n - 2 - k):  # layer i's reload starts with the backward of i + max(1, N-2-k)
                 events.append(("reload_start", i))
     return events
 
 
-def reload_at(n: int, k: int, i: int) -> int:
-    """Layer i's reload starts with the backward of i + max(1, N-2-k); layer k-1's (needed first) with
-    that of N-2 if that is later."""
-    at = i + max(1, n - 2 - k)
-    return max(at, n - 2) if i == k - 1 else at
+def expected_events_early(n: int, k: int) -> list[tuple[str, int]]:
+    """With early_first_reload: as above, but layer k-1's reload starts with the backward of N-2 when
+    that is later than its rule's (the other reloads are unchanged)."""
+    default = [e for e in expected_events(n, k) if e != ("reload_start", k - 1)]
+    if k == 0:
+        return default
+    at = max(k - 1 + max(1, n - 2 - k), n - 2)
+    i = default.index(("backward", at)) + 1
+    while i < len(default) and default[i][0] == "reload_start" and default[i][1] > k - 1:
+        i += 1  # reloads started at the same backward: the one needed first first
+    return default[:i] + [("reload_start", k - 1)] + default[i:]
+
+
+@pytest.mark.parametrize("n,k", [(2, 1), (4, 0), (4, 2), (5, 2), (6, 5), (8, 3), (20, 4)])
+def test_early_first_reload_moves_only_the_first_reload(n, k):
+    model, x = build_linear_stack(n, 8), input_for(8)
+    ref = measure_steps(model, x, None, None, steps=1, warmup=0)
+    ctx, sync = offload(k, n, min_offload_bytes=0, early_first_reload=True)
+    for _ in range(2):
+        got = measure_steps(model, x, ctx, sync, steps=1, warmup=0)
+        assert ctx.events == expected_events_early(n, k)
+        assert compare_grads(ref, got).equal
+        assert all(got == want for _, _, got, want in resident_vs_theory(ctx))
+    if k and max(k - 1 + max(1, n - 2 - k), n - 2) != k - 1 + max(1, n - 2 - k):
+        assert ctx.events != expected_events(n, k)  # the case is one where the option changes something
+
+
+def test_early_first_reload_is_refused_where_there_is_no_default_schedule():
+    with pytest.raises(ValueError, match="early_first_reload"):
+        get_cpu_offload_context(True, 1, 4, manual_synchronization=True, early_first_reload=True, device=CPU)
+    with pytest.raises(ValueError, match="early_first_reload"):
+        get_cpu_offload_context(True, model_layers=4, synchronization_dict={0: (True, 2, False, 1)},
+                                early_first_reload=True, device=CPU)
+    with pytest.raises(TypeError, match="early_first_reload must be a bool"):
+        offload(1, 4, early_first_reload=1)
 
 
 @pytest.mark.parametrize("n,k", [(2, 1), (4, 0), (5, 2), (6, 5), (8, 3)])
@@ -150,8 +180,8 @@ def test_resident_bytes_match_the_schedule():
     def expected(phase, j):  # offloaded layers on the device, counted independently
         if phase == "forward":
             return sum(per_layer[i] for i in range(k) if i <= j < n - k + i)
-        # reloaded at the backward of reload_at(...), freed when its own backward ends
-        return sum(per_layer[i] for i in range(k) if i <= j <= reload_at(n, k, i))
+        # reloaded at the backward of i + max(1, N-2-k), freed when its own backward ends
+        return sum(per_layer[i] for i in range(k) if i <= j <= i + max(1, n - 2 - k))
 
     trace = ctx.resident_trace
     assert [(p, j) for p, j, _ in trace] == [("forward", j) for j in range(n)] + [

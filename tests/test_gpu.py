@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from offload_examples import get_cpu_offload_context
-from offload_examples.instruments.measure import compare_grads, measure_steps
+from offload_examples.instruments.measure import compare_grads, measure_steps, resident_vs_theory
 from offload_examples.instruments.models import build_linear_stack
 from offload_examples.instruments.report import write_json
 from offload_examples.scenarios.basic import BasicConfig, format_report, run
@@ -60,6 +60,26 @@ def test_linear_stack_bf16_grads_bitwise_equal(cuda):
     check = compare_grads(ref, got)
     assert check.equal, (check.mismatched, check.max_abs_diff)
     assert got.peak_bytes < ref.peak_bytes
+
+
+def test_early_first_reload_bitwise_and_at_most_one_layer_above_the_default(cuda):
+    """``early_first_reload``: the same bits, the engine's resident count as its schedule says, and a
+    peak above the default schedule's by at most one layer's offloaded bytes (it holds one layer more
+    than the default's backward at the backward of N - 2, and never more than the forward's count)."""
+    model = build_linear_stack(8, 1024, device=cuda, dtype=torch.bfloat16)
+    x = torch.randn(8, 512, 1024, device=cuda, dtype=torch.bfloat16, requires_grad=True)
+    ref = measure_steps(model, x, steps=2, warmup=1)
+    runs = {}
+    for early in (False, True):
+        ctx, sync = get_cpu_offload_context(enabled=True, num_layers=4, model_layers=8, early_first_reload=early)
+        runs[early] = (measure_steps(model, x, ctx, sync, steps=2, warmup=1), ctx)
+        check = compare_grads(ref, runs[early][0])
+        assert check.equal, (early, check.mismatched, check.max_abs_diff)
+        assert all(got == want for _, _, got, want in resident_vs_theory(ctx))
+    (default, _), (early, ctx) = runs[False], runs[True]
+    assert ("reload_start", 3) in ctx.events[ctx.events.index(("backward", 6)):ctx.events.index(("backward", 5))]
+    one_layer = max(s.offloaded_bytes for s in ctx.stats)
+    assert default.peak_bytes <= early.peak_bytes <= default.peak_bytes + one_layer
 
 
 def test_retained_pinned_buffers_are_not_reallocated(cuda):

@@ -43,6 +43,7 @@ def get_cpu_offload_context(
     host_memory_limit: int | None = None,
     device: torch.device | str | None = None,
     max_offload_bytes_per_layer: int | None = None,
+    early_first_reload: bool = False,
 ) -> tuple[OffloadContext, SyncFunction] | tuple[OffloadContext, SyncFunction, OffloadSynchronizer | None]:
     """Build an offload context and its sync function.
 
@@ -104,6 +105,11 @@ def get_cpu_offload_context(
         Keyword-only. Most bytes one offloaded layer copies out per iteration; storages saved after
         that stay on the device (storages in save order, each while it still fits). ``None``: no cap. To offload only
         what some submodules save, see :meth:`~offload_examples.OffloadEngine.offload_modules`.
+    early_first_reload : bool, default False
+        Keyword-only. Start the reload needed first with the backward of layer ``N - 2``, one layer
+        earlier (see :class:`~offload_examples.DefaultSchedule`): faster when the copies take longer
+        than the compute, at a peak higher by about one layer's weight gradients. Only for the
+        default schedule.
 
     Returns
     -------
@@ -117,7 +123,7 @@ def get_cpu_offload_context(
     ValueError
         ``offload_activations`` and ``offload_weights`` both ``False``; ``num_layers`` outside
         ``[0, model_layers - 1]``; ``manual_synchronization`` together with
-        ``synchronization_dict``.
+        ``synchronization_dict``; ``early_first_reload`` with either of them.
     TypeError
         Non-integer layer counts; an extra (``synchronization_dict`` or later) passed
         positionally.
@@ -144,12 +150,15 @@ def get_cpu_offload_context(
     if manual_synchronization and synchronization_dict is not None:
         raise ValueError("pass either manual_synchronization=True or a synchronization_dict, not both: "
                          "the dict drives the synchronizer itself")
+    if early_first_reload and (manual_synchronization or synchronization_dict is not None):
+        raise ValueError("early_first_reload belongs to the default schedule: with manual_synchronization or a "
+                         "synchronization_dict, start the reloads where you want them")
     if manual_synchronization:
         schedule = None
     elif synchronization_dict is not None:
         schedule = SyncDictSchedule(synchronization_dict, model_layers)
     else:
-        schedule = DefaultSchedule(num_layers, model_layers)
+        schedule = DefaultSchedule(num_layers, model_layers, early_first_reload=early_first_reload)
     device = resolve_device(device)
     engine = OffloadEngine(
         schedule,

@@ -22,8 +22,7 @@
    layer ``i``), the home stream waits for the copy's event, on the device, and the engine drops
    its reference to the GPU memory, so the caching allocator can hand it to the next layer.
 4. **Reloaded.** When the schedule says so (by default at the backward of layer
-   ``i + max(1, N - 2 - k)``, the first one needed at that of ``N - 2``, seen through the gradient
-   hook placed by ``sync``), new GPU memory
+   ``i + max(1, N - 2 - k)``, seen through the gradient hook placed by ``sync``), new GPU memory
    is allocated *on the home stream*, so it returns to the pool of the stream that reads it, and
    filled on the host-to-device stream; each record gets its own event. If something else kept
    the original memory alive since the release (a framework's cache, a later layer's saved

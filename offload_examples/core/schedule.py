@@ -9,7 +9,7 @@ copies). Because it is plain data, the same object also predicts the memory a ru
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Mapping, Sequence
 
 __all__ = [
@@ -41,15 +41,16 @@ class DefaultSchedule:
       ``N - 1 - k`` layers resident at the later backward phases: one layer fewer than the
       forward's peak, which leaves room for the weight gradients the backward accumulates on
       top of the activations (without it the backward, not the forward, becomes the peak).
-    - The reload needed first (layer ``k - 1``) starts earlier, with the backward of layer
-      ``N - 2`` (:meth:`reload_trigger`). By then the first backward has freed a layer, so the
-      device holds ``N - k`` layers, as at the forward's peak, beside one layer's gradients.
-      When the copies take longer than the compute they hide behind, the reloads run back to
-      back, and the first one's start sets when the last one ends: starting it one layer
-      earlier gives the whole chain one more layer of backward compute. (Transformer Engine
-      2.x starts every reload one layer earlier, at ``N - 1 - k + i``; only the first gains
-      time, the others wait for it, and each one started early holds another layer beside
-      more gradients.)
+    - With ``early_first_reload=True`` the reload needed first (layer ``k - 1``) starts earlier,
+      with the backward of layer ``N - 2`` (:meth:`reload_trigger`). By then the first backward
+      has freed a layer, so the device holds ``N - k`` layers, as at the forward's peak, beside
+      the last layer's weight gradients: the peak grows by about those. When the copies take
+      longer than the compute they hide behind, the reloads run back to back, and the first
+      one's start sets when the last one ends: starting it one layer earlier gives the whole
+      chain one more layer of backward compute. When the copies hide behind compute anyway it
+      gains nothing. (Transformer Engine 2.x starts every reload one layer earlier, at
+      ``N - 1 - k + i``; only the first gains time, the others wait for it behind the first,
+      and each one started early holds another layer beside more gradients.)
 
     Parameters
     ----------
@@ -57,10 +58,14 @@ class DefaultSchedule:
         ``k``, how many layers to offload (``0 <= k <= N - 1``).
     model_layers:
         ``N``, how many times the offload context is entered in one iteration.
+    early_first_reload:
+        Keyword-only. Start the first reload with the backward of layer ``N - 2``: faster when the
+        copies take longer than the compute, at a peak higher by about one layer's gradients.
     """
 
     num_layers: int
     model_layers: int
+    early_first_reload: bool = field(default=False, kw_only=True)
 
     #: Each iteration is N forwards then N backwards, so the first backward ends the forwards.
     interleaved = False
@@ -84,6 +89,8 @@ class DefaultSchedule:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if not isinstance(self.early_first_reload, bool):
+            raise TypeError(f"early_first_reload must be a bool, got {type(self.early_first_reload).__name__}")
         if self.model_layers < 1:
             raise ValueError(f"model_layers must be >= 1, got {self.model_layers}")
         if not 0 <= self.num_layers <= self.model_layers - 1:
@@ -126,19 +133,20 @@ class DefaultSchedule:
 
     @property
     def reload_lead(self) -> int:
-        """How many layers before its own backward an offloaded layer's reload starts (all but the
-        one needed first, see :meth:`reload_trigger`)."""
+        """How many layers before its own backward an offloaded layer's reload starts (with
+        ``early_first_reload``, all but the one needed first: see :meth:`reload_trigger`)."""
         return max(1, self.model_layers - 2 - self.num_layers)
 
     def reload_trigger(self, j: int) -> int:
         """The layer whose backward starts the reload of the ``j``-th offloaded layer (from 0).
 
-        ``s + reload_lead`` for offloaded layer ``s``, but no later than the first backward; the
-        last offloaded layer, whose backward comes first among them, no earlier than ``N - 2``.
+        ``s + reload_lead`` for offloaded layer ``s``, but no later than the first backward; with
+        ``early_first_reload``, the last offloaded layer, whose backward comes first among them,
+        no later than the backward of ``N - 2``.
         """
         n, s = self.model_layers, self.offloaded_layers[j]
         at = min(n - 1, s + self.reload_lead)
-        return max(at, n - 2) if j == self.num_layers - 1 else at
+        return max(at, n - 2) if self.early_first_reload and j == self.num_layers - 1 else at
 
     def timeline(self) -> list[tuple[Phase, int]]:
         """The order in which layer phases start in one iteration."""

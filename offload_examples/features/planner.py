@@ -143,9 +143,9 @@ class SubsetSchedule(DefaultSchedule):
 
     With ``s_0 < ... < s_{k-1}`` offloaded (never layer ``N - 1``, so ``s_j < N - k + j``), ``s_j``
     is released when the forward of ``N - k + j`` starts and reloaded when the backward of
-    ``min(N - 1, s_j + reload_lead)`` starts, ``s_{k-1}`` no later than that of ``N - 2``
-    (:meth:`~offload_examples.DefaultSchedule.reload_trigger`; the one needed first first). For
-    ``s_j = j`` these are DefaultSchedule's points.
+    ``min(N - 1, s_j + reload_lead)`` starts (the one needed first first;
+    :meth:`~offload_examples.DefaultSchedule.reload_trigger`). For ``s_j = j`` these are
+    DefaultSchedule's points.
     """
 
     layers: tuple[int, ...] = ()

@@ -7,8 +7,7 @@ over the steps), the bytes its forward keeps for backward, and the bytes of its 
 recomputation keeps instead). It then times every layer kept, offloaded and recomputed without the probe's
 hooks, in three more runs: where a step is launch bound (the GPU waits for the host, as on Transformer Engine's
 layers), the engine's and the checkpoint's host work lengthen it, and only timing them tells by how
-much. The kept run's times, not the probe's, are then the layers' times: on a launch-bound step the
-probe's own hooks lengthen every forward. Layers of one kind (same class, same parameter and buffer shapes and dtypes, same saved and
+much. Layers of one kind (same class, same parameter and buffer shapes and dtypes, same saved and
 input bytes) then share one cost: each time is the median over the kind's layers, since timings of
 identical layers differ only by noise, which an exact search would exploit (``pool_kinds=False`` keeps
 each layer's own). :func:`measure_link` times pinned copies each way and both at once
@@ -61,10 +60,10 @@ def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 3,
 
     With ``per_choice`` (the default) three more runs time every layer kept, every layer but the last
     offloaded (its forward; not the waits for copies) and every layer recomputed, with hooks only
-    where a plan's engine has them. The kept run gives ``forward_ms`` and ``backward_ms`` (the probe
-    then only counts bytes: its hooks on every layer lengthen a launch-bound forward), the others
-    ``offloaded_forward_ms`` and ``recompute_ms``, as differences in milliseconds from the kept run.
-    The offloading run pins host memory for every layer but the last, and gives it back when it ends.
+    where a plan's engine has them; they fill the
+    :class:`~offload_examples.features.planner.LayerCost` fields ``offloaded_forward_ms`` and
+    ``recompute_ms``, as ratios to the kept run applied to ``forward_ms``. The offloading run pins
+    host memory for every layer but the last, and gives it back when it ends.
 
     With ``pool_kinds`` (the default) layers of one kind share their times (``_pooled_by_kind``):
     each is the median over the kind's layers. The last layer, never timed offloaded, then gets its
@@ -197,14 +196,7 @@ def _timed(layers: Sequence[nn.Module], x: torch.Tensor, steps: int, num_layers:
 
 
 def _per_choice(costs: list[LayerCost], layers: Sequence[nn.Module], x: torch.Tensor, steps: int) -> list[LayerCost]:
-    """``costs`` with each layer's times kept (all of them), offloaded (all but the last) and recomputed.
-
-    The kept run replaces the probe's times: it runs as a plan's engine does, without hooks on
-    layers it keeps. Differences are taken in milliseconds, layer by layer: a ratio to the kept
-    time, applied to another run's time, would carry that run's bias into every choice (on
-    Transformer Engine's layers the probe's forwards measured some 40 % long, and every
-    recomputation with them: session 8's plans then came out up to 10 % faster than predicted).
-    """
+    """``costs`` with each layer's times offloaded (all but the last) and recomputed (all of them)."""
     n = len(layers)
     kept_f, kept_b = _timed(layers, x, steps, 0, layers)  # kept, without the probe's hooks
     out_f, _ = _timed(layers, x, steps, n - 1, layers) if n > 1 else ([], [])
@@ -213,9 +205,10 @@ def _per_choice(costs: list[LayerCost], layers: Sequence[nn.Module], x: torch.Te
     # model adds itself. Neither choice makes a layer's compute faster: a shorter time is noise,
     # which would make the planner offload or recompute for speed, so none is below the kept one.
     return [dataclasses.replace(
-        c, forward_ms=kept_f[i], backward_ms=kept_b[i],
-        offloaded_forward_ms=max(kept_f[i], out_f[i]) if i < n - 1 else None,
-        recompute_ms=max(0.0, rec_f[i] + rec_b[i] - kept_f[i] - kept_b[i]),
+        c,
+        offloaded_forward_ms=c.forward_ms * max(1.0, out_f[i] / kept_f[i]) if i < n - 1 and kept_f[i] else None,
+        recompute_ms=c.forward_ms * max(0.0, (rec_f[i] + rec_b[i] - kept_f[i] - kept_b[i]) / kept_f[i])
+        if kept_f[i] else None,
     ) for i, c in enumerate(costs)]
 
 
