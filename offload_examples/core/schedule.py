@@ -9,6 +9,7 @@ copies). Because it is plain data, the same object also predicts the memory a ru
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Literal, Mapping, Sequence
 
@@ -123,8 +124,16 @@ class DefaultSchedule:
         if phase == "forward":  # the j-th offloaded layer is released before the forward of N - k + j
             j = layer - (n - k)
             return [("release", offloaded[j])] if 0 <= j < k else []
-        due = [s for j, s in enumerate(offloaded) if self.reload_trigger(j) == layer]
-        return [("reload", s) for s in reversed(due)]  # the one needed first first
+        return [("reload", s) for s in self._reloads_by_trigger.get(layer, ())]
+
+    @functools.cached_property
+    def _reloads_by_trigger(self) -> dict[int, tuple[int, ...]]:
+        """``{layer: offloaded layers whose reload its backward starts}``, the one needed first first.
+        Worked out once: the engine asks at every phase of every step, and so does every prediction."""
+        due: dict[int, list[int]] = {}
+        for j, s in enumerate(self.offloaded_layers):
+            due.setdefault(self.reload_trigger(j), []).append(s)
+        return {layer: tuple(reversed(layers)) for layer, layers in due.items()}
 
     @property
     def offloaded_layers(self) -> Sequence[int]:
@@ -144,6 +153,8 @@ class DefaultSchedule:
         ``early_first_reload``, the last offloaded layer, whose backward comes first among them,
         no later than the backward of ``N - 2``.
         """
+        if not 0 <= j < self.num_layers:
+            raise IndexError(f"j must be between 0 and num_layers - 1 = {self.num_layers - 1}, got {j}")
         n, s = self.model_layers, self.offloaded_layers[j]
         at = min(n - 1, s + self.reload_lead)
         return max(at, n - 2) if self.early_first_reload and j == self.num_layers - 1 else at
