@@ -74,6 +74,7 @@ stored_sources = {
     "paths8": "docs/runs/2026-11-24-h100-session8/paths_prof15.txt",
     "reload9": "docs/runs/2026-11-24-h100-session9/prof17_reload_timing.txt",
     "te-bench9": "docs/runs/2026-11-24-h100-session9/bench_A20_early_first_reload/bench.json#models[A]",
+    "plan-bench9": "docs/runs/2026-11-24-h100-session9/bench_planner_cost_differences/bench.json#models[A]",
 }
 
 extensions = [
