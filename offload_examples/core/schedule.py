@@ -39,9 +39,9 @@ class DefaultSchedule:
       ``N - k`` layers' activations are on the GPU at once.
     - Its reload starts when the backward of layer ``i + max(1, N - 2 - k)`` starts. That leaves
       ``N - 2 - k`` layers of backward compute to hide the copy behind, and keeps at most
-      ``N - 1 - k`` layers resident at the later backward phases: one layer fewer than the
-      forward's peak, which leaves room for the weight gradients the backward accumulates on
-      top of the activations (without it the backward, not the forward, becomes the peak).
+      ``N - 1 - k`` layers resident at any backward phase: one layer fewer than the forward's
+      peak, which leaves room for the weight gradients the backward accumulates on top of the
+      activations (without it the backward, not the forward, becomes the peak).
     - With ``early_first_reload=True`` the reload needed first (layer ``k - 1``) starts earlier,
       with the backward of layer ``N - 2`` (:meth:`reload_trigger`). By then the first backward
       has freed a layer, so the device holds ``N - k`` layers, as at the forward's peak, beside
