@@ -119,11 +119,9 @@ class DefaultSchedule:
 
     def actions(self, phase: Phase, layer: int) -> list[Action]:
         """What to do when ``phase`` of ``layer`` starts, in order."""
-        n, k = self.model_layers, self.num_layers
-        offloaded = self.offloaded_layers
         if phase == "forward":  # the j-th offloaded layer is released before the forward of N - k + j
-            j = layer - (n - k)
-            return [("release", offloaded[j])] if 0 <= j < k else []
+            j = layer - (self.model_layers - self.num_layers)
+            return [("release", self.offloaded_layers[j])] if 0 <= j < self.num_layers else []
         return [("reload", s) for s in self._reloads_by_trigger.get(layer, ())]
 
     @functools.cached_property
