@@ -25,6 +25,7 @@ from offload_examples.features.planner import (
     KEEP,
     OFFLOAD,
     RECOMPUTE,
+    Checkpointed,
     Choice,
     LayerCost,
     LinkCost,
@@ -345,6 +346,46 @@ def test_measured_costs_match_what_each_layer_saves_and_takes_in():
     assert costs[-1].offloaded_forward_ms is None and all(c.recompute_ms >= 0 for c in costs)
     link = measure_link("cpu", nbytes=2**20)
     assert link.d2h_gb_per_s > 0 and link.h2d_gb_per_s == link.d2h_gb_per_s
+
+
+def test_per_choice_times_are_the_hook_free_runs_taking_turns(monkeypatch):
+    """With ``per_choice`` the times are the hook-free runs' (a probe's hooks on every layer lengthen
+    every forward of a launch-bound layer), the three runs take turns step by step, and a layer's
+    recomputation cost is the median over rounds of its difference within a round: a round that ran
+    slow throughout (the machine drifting) does not move it."""
+    from offload_examples.instruments import plan_costs
+
+    per_round = [1.0, 3.0, 1.0]  # the second round runs three times slower, every run alike
+    base = {"kept": ([1.0, 1.0], [2.0, 2.0]), "offloaded": ([1.5, 0.5], [9.0, 9.0]),
+            "recomputed": ([1.25, 1.25], [2.5, 2.5])}
+    order, calls = [], {name: 0 for name in base}
+
+    def fake_step(run_layers, x, k, param_layers):
+        name = "offloaded" if k else ("recomputed" if isinstance(run_layers[0], Checkpointed) else "kept")
+
+        def step():
+            order.append(name)
+            r = max(0, calls[name] - 1)  # the first call is the warm-up
+            calls[name] += 1
+            f, b = base[name]
+            return ([t * per_round[r] for t in f], [t * per_round[r] for t in b])
+
+        class Engine:
+            class pool:
+                release = staticmethod(lambda: None)
+        return step, Engine()
+
+    monkeypatch.setattr(plan_costs, "_hook_free_step", fake_step)
+    monkeypatch.setattr(plan_costs, "per_layer_ms", lambda spans, n: spans)
+    layers = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+    probe = [LayerCost(100.0, 200.0, 10, 2), LayerCost(100.0, 200.0, 10, 2)]  # a probe's inflated times
+    costs = plan_costs._per_choice(probe, layers, torch.zeros(1, 2), steps=3)
+    assert order == ["kept", "recomputed", "offloaded"] * 4  # a warm-up each, then three rounds in turn
+    assert [(c.forward_ms, c.backward_ms) for c in costs] == [(1.0, 2.0), (1.0, 2.0)]
+    assert [c.recompute_ms for c in costs] == [0.75, 0.75]  # (1.25 + 2.5) - (1 + 2), round by round
+    # the offloaded forward is never below the kept one; the last layer is never offloaded
+    assert costs[0].offloaded_forward_ms == 1.5 and costs[1].offloaded_forward_ms is None
+    assert [c.saved_bytes for c in costs] == [10, 10]
 
 
 def times(cost: LayerCost) -> tuple:

@@ -5,9 +5,10 @@ hooks count what every layer saves) with timing marks on the compute stream, and
 :class:`~offload_examples.features.planner.LayerCost` per layer: forward and backward time (median
 over the steps), the bytes its forward keeps for backward, and the bytes of its input (what
 recomputation keeps instead). It then times every layer kept, offloaded and recomputed without the probe's
-hooks, in three more runs: where a step is launch bound (the GPU waits for the host, as on Transformer Engine's
-layers), the engine's and the checkpoint's host work lengthen it, and only timing them tells by how
-much. Layers of one kind (same class, same parameter and buffer shapes and dtypes, same saved and
+hooks, in three more runs that take turns step by step, and the times it returns are theirs: where a step is
+launch bound (the GPU waits for the host, as on Transformer Engine's layers), hooks, copies and the
+checkpoint's host work lengthen it, and only timing them tells by how much; the probe's hooks on every
+layer would lengthen every forward, where a plan's engine hooks only the layers it offloads. Layers of one kind (same class, same parameter and buffer shapes and dtypes, same saved and
 input bytes) then share one cost: each time is the median over the kind's layers, since timings of
 identical layers differ only by noise, which an exact search would exploit (``pool_kinds=False`` keeps
 each layer's own). :func:`measure_link` times pinned copies each way and both at once
@@ -26,7 +27,7 @@ import dataclasses
 import itertools
 import statistics
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -36,7 +37,7 @@ from offload_examples.core.engine import OffloadEngine
 from offload_examples.core.schedule import DefaultSchedule
 from offload_examples.features.planner import TIME_FIELDS, Checkpointed, LayerCost, LinkCost
 from offload_examples.instruments.measure import training_step
-from offload_examples.instruments.timeline import per_layer_ms, record_layer_timeline
+from offload_examples.instruments.timeline import Span, per_layer_ms, record_layer_timeline
 
 __all__ = ["measure_costs", "measure_link"]
 
@@ -47,7 +48,7 @@ def _zero(layers: Sequence[nn.Module], x: torch.Tensor) -> None:
     x.grad = None
 
 
-def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 3,
+def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 5,
                   per_choice: bool = True, pool_kinds: bool = True) -> tuple[list[LayerCost], int]:
     """One :class:`~offload_examples.features.planner.LayerCost` per layer, and the base bytes.
 
@@ -58,11 +59,12 @@ def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 3,
     layer's times are the median over them. On a CPU the times are host times of a CPU run: right
     for planning a CPU run, not a prediction for a GPU.
 
-    With ``per_choice`` (the default) three more runs time every layer kept, every layer but the last
-    offloaded (its forward; not the waits for copies) and every layer recomputed, with hooks only
-    where a plan's engine has them; they fill the
-    :class:`~offload_examples.features.planner.LayerCost` fields ``offloaded_forward_ms`` and
-    ``recompute_ms``, as ratios to the kept run applied to ``forward_ms``. The offloading run pins
+    With ``per_choice`` (the default) three more runs, taking turns step by step, time every layer
+    kept, every layer but the last offloaded (its forward; not the waits for copies) and every layer
+    recomputed, with hooks only where a plan's engine has them. Then ``forward_ms`` and
+    ``backward_ms`` are the kept run's, ``offloaded_forward_ms`` the offloaded run's forward, and
+    ``recompute_ms`` what the recomputed run's forward and backward took more than the kept run's
+    (the median over the rounds of the difference within a round). The offloading run pins
     host memory for every layer but the last, and gives it back when it ends.
 
     With ``pool_kinds`` (the default) layers of one kind share their times (``_pooled_by_kind``):
@@ -174,41 +176,60 @@ def _medians(runs: list[tuple[list[float], list[float]]], n: int) -> tuple[list[
             [statistics.median(r[1][i] for r in runs) for i in range(n)])
 
 
-def _timed(layers: Sequence[nn.Module], x: torch.Tensor, steps: int, num_layers: int,
-           param_layers: Sequence[nn.Module]) -> tuple[list[float], list[float]]:
-    """Each layer's median forward and backward ms with the first ``num_layers`` offloaded."""
+def _hook_free_step(layers: Sequence[nn.Module], x: torch.Tensor, num_layers: int,
+                    param_layers: Sequence[nn.Module]) -> tuple[Callable[[], list[Span]], OffloadEngine]:
+    """A timed training step with the first ``num_layers`` offloaded, and its engine (give its pool back).
+
+    The engine's first step counts every layer; the later ones hook only the offloaded layers, as a
+    plan's engine does, so a kept layer runs without hooks (the probe's hooks on every layer lengthened
+    each forward of a launch-bound layer by half again: prof19, session 10).
+    """
     n = len(layers)
-    # the warm-up step counts every layer; the timed ones hook only the offloaded layers, as a plan's engine does
     ctx = OffloadEngine(DefaultSchedule(num_layers, n), device=x.device, retain_pinned_cpu_buffers=True,
                         count_every_layer=False)
-    sync = ctx.sync
 
     def step() -> torch.Tensor:
         _zero(param_layers, x)
-        return training_step(layers, x, ctx, sync)
+        return training_step(layers, x, ctx, ctx.sync)
 
-    try:
-        step()  # warm-up: pins the host buffers, which the next steps reuse
-        return _medians([per_layer_ms(record_layer_timeline(step, ctx), n) for _ in range(steps)], n)
-    finally:
-        _zero(param_layers, x)
-        ctx.pool.release()
+    return (lambda: record_layer_timeline(step, ctx)), ctx
 
 
 def _per_choice(costs: list[LayerCost], layers: Sequence[nn.Module], x: torch.Tensor, steps: int) -> list[LayerCost]:
-    """``costs`` with each layer's times offloaded (all but the last) and recomputed (all of them)."""
+    """``costs`` with each layer's times kept, offloaded (all but the last) and recomputed (all of them),
+    from runs without the probe's hooks that take turns step by step.
+
+    Taking turns exposes the three runs to the same drift of the machine (on launch-bound layers the
+    step time wanders by several percent within a minute), and each recomputation time is the median,
+    over the rounds, of a difference taken within one round.
+    """
     n = len(layers)
-    kept_f, kept_b = _timed(layers, x, steps, 0, layers)  # kept, without the probe's hooks
-    out_f, _ = _timed(layers, x, steps, n - 1, layers) if n > 1 else ([], [])
-    rec_f, rec_b = _timed([Checkpointed(layer) for layer in layers], x, steps, 0, layers)
+    runs = {"kept": (layers, 0), "recomputed": ([Checkpointed(layer) for layer in layers], 0)}
+    if n > 1:
+        runs["offloaded"] = (layers, n - 1)
+    timed, engines, rounds = {}, [], []
+    try:
+        for name, (run_layers, k) in runs.items():
+            timed[name], engine = _hook_free_step(run_layers, x, k, layers)
+            engines.append(engine)
+            timed[name]()  # warm-up: pins the host buffers, which the next steps reuse
+        for _ in range(steps):
+            rounds.append({name: per_layer_ms(step(), n) for name, step in timed.items()})
+    finally:
+        _zero(layers, x)
+        for engine in engines:
+            engine.pool.release()
+    kept_f, kept_b = _medians([r["kept"] for r in rounds], n)
+    out_f = _medians([r["offloaded"] for r in rounds], n)[0] if n > 1 else []
+    extra = [statistics.median(sum(r["recomputed"][p][i] - r["kept"][p][i] for p in (0, 1)) for r in rounds)
+             for i in range(n)]
     # An offloaded layer's backward is not timed: it includes the waits for its reload, which the
     # model adds itself. Neither choice makes a layer's compute faster: a shorter time is noise,
     # which would make the planner offload or recompute for speed, so none is below the kept one.
     return [dataclasses.replace(
-        c,
-        offloaded_forward_ms=c.forward_ms * max(1.0, out_f[i] / kept_f[i]) if i < n - 1 and kept_f[i] else None,
-        recompute_ms=c.forward_ms * max(0.0, (rec_f[i] + rec_b[i] - kept_f[i] - kept_b[i]) / kept_f[i])
-        if kept_f[i] else None,
+        c, forward_ms=kept_f[i], backward_ms=kept_b[i],
+        offloaded_forward_ms=max(kept_f[i], out_f[i]) if i < n - 1 else None,
+        recompute_ms=max(0.0, extra[i]),
     ) for i, c in enumerate(costs)]
 
 
