@@ -75,6 +75,8 @@ stored_sources = {
     "reload9": "docs/runs/2026-11-24-h100-session9/prof17_reload_timing.txt",
     "te-bench9": "docs/runs/2026-11-24-h100-session9/bench_A20_early_first_reload/bench.json#models[A]",
     "plan-bench9": "docs/runs/2026-11-24-h100-session9/bench_planner_cost_differences/bench.json#models[A]",
+    "gpu-session10": "docs/runs/2026-11-24-h100-session10/README.md",
+    "plan-bench10": "docs/runs/2026-11-24-h100-session10/bench_planner/bench.json#models[A]",
 }
 
 extensions = [
