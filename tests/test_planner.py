@@ -348,24 +348,18 @@ def test_measured_costs_match_what_each_layer_saves_and_takes_in():
     assert link.d2h_gb_per_s > 0 and link.h2d_gb_per_s == link.d2h_gb_per_s
 
 
-def test_per_choice_times_are_the_hook_free_runs_taking_turns(monkeypatch):
-    """With ``per_choice`` the times are the hook-free runs' (a probe's hooks on every layer lengthen
-    every forward of a launch-bound layer), the three runs take turns step by step, and a layer's
-    recomputation cost is the median over rounds of its difference within a round: a round that ran
-    slow throughout (the machine drifting) does not move it."""
-    from offload_examples.instruments import plan_costs
+def _fake_hook_free_step(base: dict, per_round: list[float], order: list, seen: dict):
+    """A stand-in for ``plan_costs._hook_free_step``: each run's per-layer times from ``base``, every
+    run of a round scaled by that round's factor (the first call of a run is its warm-up)."""
+    calls = {name: 0 for name in base}
 
-    per_round = [1.0, 3.0, 1.0]  # the second round runs three times slower, every run alike
-    base = {"kept": ([1.0, 1.0], [2.0, 2.0]), "offloaded": ([1.5, 0.5], [9.0, 9.0]),
-            "recomputed": ([1.25, 1.25], [2.5, 2.5])}
-    order, calls = [], {name: 0 for name in base}
-
-    def fake_step(run_layers, x, k, param_layers):
-        name = "offloaded" if k else ("recomputed" if isinstance(run_layers[0], Checkpointed) else "kept")
+    def fake_step(run_layers, x, offloaded, param_layers):
+        name = "offloaded" if offloaded else ("recomputed" if isinstance(run_layers[0], Checkpointed) else "kept")
+        seen[name] = tuple(offloaded)
 
         def step():
             order.append(name)
-            r = max(0, calls[name] - 1)  # the first call is the warm-up
+            r = max(0, calls[name] - 1)
             calls[name] += 1
             f, b = base[name]
             return ([t * per_round[r] for t in f], [t * per_round[r] for t in b])
@@ -375,17 +369,55 @@ def test_per_choice_times_are_the_hook_free_runs_taking_turns(monkeypatch):
                 release = staticmethod(lambda: None)
         return step, Engine()
 
-    monkeypatch.setattr(plan_costs, "_hook_free_step", fake_step)
+    return fake_step
+
+
+def test_per_choice_times_are_the_hook_free_runs_taking_turns(monkeypatch):
+    """With ``per_choice`` the times are the hook-free runs' (a probe's hooks on every layer lengthen
+    every forward of a launch-bound layer), the three runs take turns step by step, and what recomputing
+    or offloading adds is the median over rounds of the difference within a round: a round that ran
+    slow throughout (the machine drifting) does not move it."""
+    from offload_examples.instruments import plan_costs
+
+    per_round = [1.0, 3.0, 1.0]  # the second round runs three times slower, every run alike
+    base = {"kept": ([1.0, 1.0], [2.0, 2.0]), "offloaded": ([1.5, 0.5], [9.0, 9.0]),
+            "recomputed": ([1.25, 1.25], [2.5, 2.5])}
+    order, seen = [], {}
+    monkeypatch.setattr(plan_costs, "_hook_free_step", _fake_hook_free_step(base, per_round, order, seen))
     monkeypatch.setattr(plan_costs, "per_layer_ms", lambda spans, n: spans)
     layers = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
     probe = [LayerCost(100.0, 200.0, 10, 2), LayerCost(100.0, 200.0, 10, 2)]  # a probe's inflated times
     costs = plan_costs._per_choice(probe, layers, torch.zeros(1, 2), steps=3)
     assert order == ["kept", "recomputed", "offloaded"] * 4  # a warm-up each, then three rounds in turn
+    assert seen["offloaded"] == (0,)  # one layer of the one kind, never the last
     assert [(c.forward_ms, c.backward_ms) for c in costs] == [(1.0, 2.0), (1.0, 2.0)]
     assert [c.recompute_ms for c in costs] == [0.75, 0.75]  # (1.25 + 2.5) - (1 + 2), round by round
-    # the offloaded forward is never below the kept one; the last layer is never offloaded
+    # kept 1.0 + what offloading added (0.5, round by round); the last layer is never offloaded
     assert costs[0].offloaded_forward_ms == 1.5 and costs[1].offloaded_forward_ms is None
     assert [c.saved_bytes for c in costs] == [10, 10]
+
+
+def test_offloading_is_timed_on_one_layer_of_each_kind(monkeypatch):
+    """The offloaded run offloads the first layer of each kind only, so its copies do not hold the
+    compute stream back (with every layer offloaded the host work of the hooks hid behind the waits
+    for copies: TE layers, session 10); every layer of a kind gets its own kept forward plus what
+    offloading added to its kind's, and a kind found only in the last layer gets None."""
+    from offload_examples.instruments import plan_costs
+
+    wide, narrow, last = torch.nn.Linear(4, 4), torch.nn.Linear(2, 2), torch.nn.Linear(3, 3)
+    layers = [narrow, wide, torch.nn.Linear(2, 2), torch.nn.Linear(4, 4), last]
+    kept_f = [1.0, 2.0, 1.25, 2.5, 3.0]
+    base = {"kept": (kept_f, [1.0] * 5),
+            "offloaded": ([1.5, 5.0, 1.25, 2.5, 3.0], [7.0] * 5),  # layers 0 and 1 offloaded
+            "recomputed": ([1.0] * 5, [1.0] * 5)}
+    order, seen = [], {}
+    monkeypatch.setattr(plan_costs, "_hook_free_step", _fake_hook_free_step(base, [1.0, 1.0], order, seen))
+    monkeypatch.setattr(plan_costs, "per_layer_ms", lambda spans, n: spans)
+    probe = [LayerCost(9.0, 9.0, 10 * (1 + i % 2), 2) for i in range(4)] + [LayerCost(9.0, 9.0, 30, 3)]
+    costs = plan_costs._per_choice(probe, layers, torch.zeros(1, 2), steps=2)
+    assert seen["offloaded"] == (0, 1)
+    assert [c.offloaded_forward_ms for c in costs] == [1.5, 5.0, 1.75, 5.5, None]
+    assert [c.recompute_ms for c in costs] == [0.0] * 5  # faster when recomputed is noise: never below 0
 
 
 def times(cost: LayerCost) -> tuple:

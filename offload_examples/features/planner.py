@@ -44,7 +44,7 @@ from ..core.te_path import recompute_on_same_path
 
 __all__ = [
     "KEEP", "OFFLOAD", "RECOMPUTE", "Checkpointed", "Choice", "LayerCost", "LinkCost", "Plan", "SubsetSchedule",
-    "apply_plan", "pareto", "plan", "simulate_plan",
+    "apply_plan", "offload_schedule", "pareto", "plan", "simulate_plan",
 ]
 
 #: ``prefix_only=False`` tries all ``3^N`` plans; beyond this many layers it refuses.
@@ -164,7 +164,10 @@ class SubsetSchedule(DefaultSchedule):
         return self.layers
 
 
-def _schedule(offloaded: list[int], n: int) -> DefaultSchedule:
+def offload_schedule(offloaded: Sequence[int], n: int) -> DefaultSchedule:
+    """The engine's schedule offloading the layers ``offloaded`` of ``n``: :class:`DefaultSchedule`
+    when they are the first ``k``, else :class:`SubsetSchedule`."""
+    offloaded = list(offloaded)
     k = len(offloaded)
     return DefaultSchedule(k, n) if offloaded == list(range(k)) else SubsetSchedule(k, n, tuple(offloaded))
 
@@ -178,7 +181,7 @@ def simulate_plan(choices: Sequence[Choice | str], costs: Sequence[LayerCost], l
         raise ValueError(f"need one choice per layer ({n} layers, at least 1), got {len(choices)}")
     if choices[-1] is OFFLOAD:
         raise ValueError("the last layer cannot be offloaded: its backward runs first")
-    sched = _schedule([i for i, c in enumerate(choices) if c is OFFLOAD], n)
+    sched = offload_schedule([i for i, c in enumerate(choices) if c is OFFLOAD], n)
     off = [c.saved_bytes if ch is OFFLOAD else 0 for c, ch in zip(costs, choices)]
     kept = [{KEEP: c.saved_bytes, RECOMPUTE: c.input_bytes, OFFLOAD: 0}[ch] for c, ch in zip(costs, choices)]
     points = sched.simulate(off, kept).points
@@ -458,6 +461,6 @@ def apply_plan(chosen: Plan, layers: Sequence[nn.Module], device: torch.device |
     offloaded = [i for i, c in enumerate(chosen.choices) if c is OFFLOAD]
     # a plan that offloads nothing must not hook every layer in every step, as a probe does
     engine_options.setdefault("count_every_layer", False)
-    engine = OffloadEngine(_schedule(offloaded, len(layers)), device=resolve_device(device), **engine_options)
+    engine = OffloadEngine(offload_schedule(offloaded, len(layers)), device=resolve_device(device), **engine_options)
     run = [Checkpointed(layer) if c is RECOMPUTE else layer for layer, c in zip(layers, chosen.choices)]
     return engine, engine.sync, run

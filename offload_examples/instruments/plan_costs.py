@@ -4,9 +4,9 @@
 hooks count what every layer saves) with timing marks on the compute stream, and returns one
 :class:`~offload_examples.features.planner.LayerCost` per layer: forward and backward time (median
 over the steps), the bytes its forward keeps for backward, and the bytes of its input (what
-recomputation keeps instead). It then times every layer kept, offloaded and recomputed without the
-probe's hooks, in three more runs that take turns step by step, and the times it returns are theirs:
-where a step is launch bound (the GPU waits for the host, as on Transformer Engine's layers), hooks,
+recomputation keeps instead). It then times the layers kept, offloaded (one of each kind) and
+recomputed without the probe's hooks, in three more runs that take turns step by step, and the times
+it returns are theirs: where a step is launch bound (the GPU waits for the host, as on Transformer Engine's layers), hooks,
 copies and the checkpoint's host work lengthen it, and only timing them tells by how much; the probe's
 hooks on every layer would lengthen every forward, where a plan's engine hooks only the layers it
 offloads. Layers of one kind (same class, same parameter and buffer shapes and dtypes, same saved and
@@ -35,8 +35,7 @@ from torch import nn
 
 from offload_examples.core.api import get_cpu_offload_context
 from offload_examples.core.engine import OffloadEngine
-from offload_examples.core.schedule import DefaultSchedule
-from offload_examples.features.planner import TIME_FIELDS, Checkpointed, LayerCost, LinkCost
+from offload_examples.features.planner import TIME_FIELDS, Checkpointed, LayerCost, LinkCost, offload_schedule
 from offload_examples.instruments.measure import training_step
 from offload_examples.instruments.timeline import Span, per_layer_ms, record_layer_timeline
 
@@ -61,18 +60,19 @@ def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 5,
     for planning a CPU run, not a prediction for a GPU.
 
     With ``per_choice`` (the default) three more runs, taking turns step by step, time every layer
-    kept, every layer but the last offloaded (its forward; not the waits for copies) and every layer
-    recomputed, with hooks only where a plan's engine has them. Then ``forward_ms`` and
-    ``backward_ms`` are the kept run's, ``offloaded_forward_ms`` the offloaded run's forward, and
-    ``recompute_ms`` what the recomputed run's forward and backward took more than the kept run's
-    (the median over the rounds of the difference within a round). The offloading run pins
-    host memory for every layer but the last, and gives it back when it ends.
+    kept, the first layer of each kind offloaded (its forward; not the waits for copies; the last
+    layer is never offloaded) and every layer recomputed, with hooks only where a plan's engine has
+    them. Then ``forward_ms`` and ``backward_ms`` are the kept run's; ``offloaded_forward_ms`` is the
+    kept forward plus what offloading added to the forward of the layer's kind, and ``recompute_ms``
+    what the recomputed run's forward and backward took more than the kept run's (each the median
+    over the rounds of the difference within a round, never below 0). The offloading run pins host
+    memory for the layers it offloads, and gives it back when it ends.
 
     With ``pool_kinds`` (the default) layers of one kind share their times (``_pooled_by_kind``):
     each is the median over the kind's layers. The last layer, never timed offloaded, then gets its
     kind's ``offloaded_forward_ms`` too (the planner never offloads it, so nothing reads it); with
-    ``pool_kinds=False`` every layer keeps its own times and the last one's ``offloaded_forward_ms``
-    stays ``None``.
+    ``pool_kinds=False`` every layer keeps its own times (its offloaded forward: its own kept forward
+    plus what offloading added to its kind's) and the last one's ``offloaded_forward_ms`` stays ``None``.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
@@ -177,16 +177,15 @@ def _medians(runs: list[tuple[list[float], list[float]]], n: int) -> tuple[list[
             [statistics.median(r[1][i] for r in runs) for i in range(n)])
 
 
-def _hook_free_step(layers: Sequence[nn.Module], x: torch.Tensor, num_layers: int,
+def _hook_free_step(layers: Sequence[nn.Module], x: torch.Tensor, offloaded: Sequence[int],
                     param_layers: Sequence[nn.Module]) -> tuple[Callable[[], list[Span]], OffloadEngine]:
-    """A timed training step with the first ``num_layers`` offloaded, and its engine (give its pool back).
+    """A timed training step with the layers ``offloaded`` offloaded, and its engine (give its pool back).
 
     The engine's first step counts every layer; the later ones hook only the offloaded layers, as a
     plan's engine does, so a kept layer runs without hooks (the probe's hooks on every layer lengthened
     each forward of a launch-bound layer by half again: prof19, session 10).
     """
-    n = len(layers)
-    ctx = OffloadEngine(DefaultSchedule(num_layers, n), device=x.device, retain_pinned_cpu_buffers=True,
+    ctx = OffloadEngine(offload_schedule(offloaded, len(layers)), device=x.device, retain_pinned_cpu_buffers=True,
                         count_every_layer=False)
 
     def step() -> torch.Tensor:
@@ -196,22 +195,40 @@ def _hook_free_step(layers: Sequence[nn.Module], x: torch.Tensor, num_layers: in
     return (lambda: record_layer_timeline(step, ctx)), ctx
 
 
-def _per_choice(costs: list[LayerCost], layers: Sequence[nn.Module], x: torch.Tensor, steps: int) -> list[LayerCost]:
-    """``costs`` with each layer's times kept, offloaded (all but the last) and recomputed (all of them),
-    from runs without the probe's hooks that take turns step by step.
+def _representatives(costs: Sequence[LayerCost], layers: Sequence[nn.Module]) -> dict[tuple, int]:
+    """The first layer of each kind (``_kind``), the last layer left out: the ones timed offloaded."""
+    reps: dict[tuple, int] = {}
+    for i in range(len(layers) - 1):
+        reps.setdefault(_kind(layers[i], costs[i]), i)
+    return reps
 
-    Taking turns exposes the three runs to the same drift of the machine (on launch-bound layers the
-    step time wanders by several percent within a minute), and each recomputation time is the median,
-    over the rounds, of a difference taken within one round.
+
+def _per_choice(costs: list[LayerCost], layers: Sequence[nn.Module], x: torch.Tensor, steps: int) -> list[LayerCost]:
+    """``costs`` with each layer's times kept, offloaded and recomputed, from runs without the probe's
+    hooks that take turns step by step.
+
+    Taking turns exposes the runs to the same drift of the machine (on launch-bound layers the
+    step time wanders by several percent within a minute), and every added cost is the median, over
+    the rounds, of a difference taken within one round: recomputation from a run recomputing every
+    layer, offloading from a run offloading one layer of each kind (``_representatives``).
+
+    Why one layer of each kind and not every layer but the last: with every layer offloaded the copies
+    take longer than the forward, the compute stream waits for them at each release and falls behind
+    the host, and the host work of the engine's hooks then hides behind those waits; in a plan that
+    offloads a few layers it does not. On Transformer Engine's layers (launch bound) the forward of an
+    offloaded layer timed no longer than a kept one in that run, while the host time of its forward
+    grew by about 2 ms (diag19, session 10) and plans offloading two layers measured 5 % slower than
+    predicted (planner bench, session 10).
     """
     n = len(layers)
-    runs = {"kept": (layers, 0), "recomputed": ([Checkpointed(layer) for layer in layers], 0)}
-    if n > 1:
-        runs["offloaded"] = (layers, n - 1)
+    reps = _representatives(costs, layers)
+    runs = {"kept": (layers, ()), "recomputed": ([Checkpointed(layer) for layer in layers], ())}
+    if reps:
+        runs["offloaded"] = (layers, tuple(sorted(reps.values())))
     timed, engines, rounds = {}, [], []
     try:
-        for name, (run_layers, k) in runs.items():
-            timed[name], engine = _hook_free_step(run_layers, x, k, layers)
+        for name, (run_layers, offloaded) in runs.items():
+            timed[name], engine = _hook_free_step(run_layers, x, offloaded, layers)
             engines.append(engine)
             timed[name]()  # warm-up: pins the host buffers, which the next steps reuse
         for _ in range(steps):
@@ -221,16 +238,21 @@ def _per_choice(costs: list[LayerCost], layers: Sequence[nn.Module], x: torch.Te
         for engine in engines:
             engine.pool.release()
     kept_f, kept_b = _medians([r["kept"] for r in rounds], n)
-    out_f = _medians([r["offloaded"] for r in rounds], n)[0] if n > 1 else []
-    extra = [statistics.median(sum(r["recomputed"][p][i] - r["kept"][p][i] for p in (0, 1)) for r in rounds)
-             for i in range(n)]
+
+    def added(run: str, i: int, phases: tuple[int, ...]) -> float:
+        # Neither choice makes a layer's compute faster: a shorter time is noise, which would make
+        # the planner offload or recompute for speed, so nothing adds less than 0.
+        return max(0.0, statistics.median(sum(r[run][p][i] - r["kept"][p][i] for p in phases) for r in rounds))
+
+    by_kind = {kind: added("offloaded", i, (0,)) for kind, i in reps.items()}
     # An offloaded layer's backward is not timed: it includes the waits for its reload, which the
-    # model adds itself. Neither choice makes a layer's compute faster: a shorter time is noise,
-    # which would make the planner offload or recompute for speed, so none is below the kept one.
+    # model adds itself. A layer of a kind timed offloaded gets what offloading added to its kind's
+    # forward; the last layer, never offloaded, and a kind found only there, get None.
     return [dataclasses.replace(
         c, forward_ms=kept_f[i], backward_ms=kept_b[i],
-        offloaded_forward_ms=max(kept_f[i], out_f[i]) if i < n - 1 else None,
-        recompute_ms=max(0.0, extra[i]),
+        offloaded_forward_ms=kept_f[i] + by_kind[_kind(layers[i], c)]
+        if i < n - 1 and _kind(layers[i], c) in by_kind else None,
+        recompute_ms=added("recomputed", i, (0, 1)),
     ) for i, c in enumerate(costs)]
 
 
