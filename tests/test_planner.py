@@ -341,8 +341,9 @@ def test_measured_costs_match_what_each_layer_saves_and_takes_in():
     assert [c.saved_bytes for c in costs] == [s.candidate_bytes for s in probe.stats]
     assert all(c.input_bytes == x.numel() * 4 for c in costs)  # every layer maps width 32 to width 32
     assert all(c.forward_ms > 0 and c.backward_ms > 0 for c in costs) and base == 0
-    # timed offloaded (every layer but the last) and recomputed (every layer)
-    assert all(c.offloaded_forward_ms >= c.forward_ms and c.offloaded_backward_ms is None for c in costs[:-1])
+    # timed offloaded (one layer of the kind; every layer but the last gets its kind's) and recomputed
+    assert all(c.offloaded_forward_ms >= c.forward_ms and c.offloaded_backward_ms >= c.backward_ms
+               for c in costs[:-1])
     assert costs[-1].offloaded_forward_ms is None and all(c.recompute_ms >= 0 for c in costs)
     link = measure_link("cpu", nbytes=2**20)
     assert link.d2h_gb_per_s > 0 and link.h2d_gb_per_s == link.d2h_gb_per_s
@@ -384,7 +385,7 @@ def test_per_choice_times_are_the_hook_free_runs_taking_turns(monkeypatch):
             "recomputed": ([1.25, 1.25], [2.5, 2.5])}
     order, seen = [], {}
     monkeypatch.setattr(plan_costs, "_hook_free_step", _fake_hook_free_step(base, per_round, order, seen))
-    monkeypatch.setattr(plan_costs, "per_layer_ms", lambda spans, n: spans)
+    monkeypatch.setattr(plan_costs, "_busy_ms", lambda spans, n: spans)
     layers = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
     probe = [LayerCost(100.0, 200.0, 10, 2), LayerCost(100.0, 200.0, 10, 2)]  # a probe's inflated times
     costs = plan_costs._per_choice(probe, layers, torch.zeros(1, 2), steps=3)
@@ -392,8 +393,9 @@ def test_per_choice_times_are_the_hook_free_runs_taking_turns(monkeypatch):
     assert seen["offloaded"] == (0,)  # one layer of the one kind, never the last
     assert [(c.forward_ms, c.backward_ms) for c in costs] == [(1.0, 2.0), (1.0, 2.0)]
     assert [c.recompute_ms for c in costs] == [0.75, 0.75]  # (1.25 + 2.5) - (1 + 2), round by round
-    # kept 1.0 + what offloading added (0.5, round by round); the last layer is never offloaded
+    # kept + what offloading added (round by round); the last layer is never offloaded
     assert costs[0].offloaded_forward_ms == 1.5 and costs[1].offloaded_forward_ms is None
+    assert costs[0].offloaded_backward_ms == 9.0 and costs[1].offloaded_backward_ms is None
     assert [c.saved_bytes for c in costs] == [10, 10]
 
 
@@ -412,12 +414,29 @@ def test_offloading_is_timed_on_one_layer_of_each_kind(monkeypatch):
             "recomputed": ([1.0] * 5, [1.0] * 5)}
     order, seen = [], {}
     monkeypatch.setattr(plan_costs, "_hook_free_step", _fake_hook_free_step(base, [1.0, 1.0], order, seen))
-    monkeypatch.setattr(plan_costs, "per_layer_ms", lambda spans, n: spans)
+    monkeypatch.setattr(plan_costs, "_busy_ms", lambda spans, n: spans)
     probe = [LayerCost(9.0, 9.0, 10 * (1 + i % 2), 2) for i in range(4)] + [LayerCost(9.0, 9.0, 30, 3)]
     costs = plan_costs._per_choice(probe, layers, torch.zeros(1, 2), steps=2)
     assert seen["offloaded"] == (0, 1)
     assert [c.offloaded_forward_ms for c in costs] == [1.5, 5.0, 1.75, 5.5, None]
+    assert [c.offloaded_backward_ms for c in costs] == [7.0, 7.0, 7.0, 7.0, None]
     assert [c.recompute_ms for c in costs] == [0.0] * 5  # faster when recomputed is noise: never below 0
+
+
+def test_busy_ms_takes_the_waits_for_copies_out():
+    """A release's wait is a span of its own; the wait for a reload (until the layer's last
+    host-to-device copy ends) is taken out of the backward that reads it, never below 0."""
+    from offload_examples.instruments.plan_costs import _busy_ms
+    from offload_examples.instruments.timeline import Span
+
+    spans = [Span("compute", 0.0, 2.0, "F0", 0), Span("compute", 2.0, 3.0, "wait", 1),
+             Span("compute", 3.0, 5.0, "F1", 1), Span("compute", 5.0, 8.0, "B1", 1),
+             Span("compute", 8.0, 12.0, "B0", 0),
+             Span("device-to-host", 2.0, 4.0, "layer 0", 0, 10),
+             Span("host-to-device", 5.0, 7.0, "layer 0", 0, 5), Span("host-to-device", 7.0, 9.5, "layer 0", 0, 5)]
+    assert _busy_ms(spans, 2) == ([2.0, 2.0], [2.5, 3.0])  # B0 waited 1.5 ms for its reload
+    late = spans[:5] + [Span("host-to-device", 5.0, 13.0, "layer 0", 0, 10)]
+    assert _busy_ms(late, 2) == ([2.0, 2.0], [0.0, 3.0])
 
 
 def times(cost: LayerCost) -> tuple:

@@ -60,19 +60,20 @@ def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 5,
     for planning a CPU run, not a prediction for a GPU.
 
     With ``per_choice`` (the default) three more runs, taking turns step by step, time every layer
-    kept, the first layer of each kind offloaded (its forward; not the waits for copies; the last
-    layer is never offloaded) and every layer recomputed, with hooks only where a plan's engine has
-    them. Then ``forward_ms`` and ``backward_ms`` are the kept run's; ``offloaded_forward_ms`` is the
-    kept forward plus what offloading added to the forward of the layer's kind, and ``recompute_ms``
+    kept, the first layer of each kind offloaded (the last layer never is) and every layer
+    recomputed, with hooks only where a plan's engine has them. Then ``forward_ms`` and
+    ``backward_ms`` are the kept run's; ``offloaded_forward_ms`` and ``offloaded_backward_ms`` are
+    the kept ones plus what offloading added to the forward and to the backward of the layer's kind
+    (the waits for copies left out: ``_busy_ms``; the planner's model adds its own), and ``recompute_ms``
     what the recomputed run's forward and backward took more than the kept run's (each the median
     over the rounds of the difference within a round, never below 0). The offloading run pins host
     memory for the layers it offloads, and gives it back when it ends.
 
     With ``pool_kinds`` (the default) layers of one kind share their times (``_pooled_by_kind``):
     each is the median over the kind's layers. The last layer, never timed offloaded, then gets its
-    kind's ``offloaded_forward_ms`` too (the planner never offloads it, so nothing reads it); with
-    ``pool_kinds=False`` every layer keeps its own times (its offloaded forward: its own kept forward
-    plus what offloading added to its kind's) and the last one's ``offloaded_forward_ms`` stays ``None``.
+    kind's offloaded times too (the planner never offloads it, so nothing reads them); with
+    ``pool_kinds=False`` every layer keeps its own times (offloaded: its own kept times plus what
+    offloading added to its kind's) and the last one's offloaded times stay ``None``.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
@@ -232,7 +233,7 @@ def _per_choice(costs: list[LayerCost], layers: Sequence[nn.Module], x: torch.Te
             engines.append(engine)
             timed[name]()  # warm-up: pins the host buffers, which the next steps reuse
         for _ in range(steps):
-            rounds.append({name: per_layer_ms(step(), n) for name, step in timed.items()})
+            rounds.append({name: _busy_ms(step(), n) for name, step in timed.items()})
     finally:
         _zero(layers, x)
         for engine in engines:
@@ -244,16 +245,35 @@ def _per_choice(costs: list[LayerCost], layers: Sequence[nn.Module], x: torch.Te
         # the planner offload or recompute for speed, so nothing adds less than 0.
         return max(0.0, statistics.median(sum(r[run][p][i] - r["kept"][p][i] for p in phases) for r in rounds))
 
-    by_kind = {kind: added("offloaded", i, (0,)) for kind, i in reps.items()}
-    # An offloaded layer's backward is not timed: it includes the waits for its reload, which the
-    # model adds itself. A layer of a kind timed offloaded gets what offloading added to its kind's
-    # forward; the last layer, never offloaded, and a kind found only there, get None.
+    by_kind = {kind: (added("offloaded", i, (0,)), added("offloaded", i, (1,))) for kind, i in reps.items()}
+
+    def offloaded(i: int, phase: int, kept: list[float]) -> float | None:
+        # A layer of a kind timed offloaded gets what offloading added to its kind's forward (or
+        # backward); the last layer, never offloaded, and a kind found only there, get None.
+        kind = _kind(layers[i], costs[i])
+        return kept[i] + by_kind[kind][phase] if i < n - 1 and kind in by_kind else None
+
     return [dataclasses.replace(
-        c, forward_ms=kept_f[i], backward_ms=kept_b[i],
-        offloaded_forward_ms=kept_f[i] + by_kind[_kind(layers[i], c)]
-        if i < n - 1 and _kind(layers[i], c) in by_kind else None,
-        recompute_ms=added("recomputed", i, (0, 1)),
+        c, forward_ms=kept_f[i], backward_ms=kept_b[i], offloaded_forward_ms=offloaded(i, 0, kept_f),
+        offloaded_backward_ms=offloaded(i, 1, kept_b), recompute_ms=added("recomputed", i, (0, 1)),
     ) for i, c in enumerate(costs)]
+
+
+def _busy_ms(spans: Sequence[Span], n: int) -> tuple[list[float], list[float]]:
+    """:func:`per_layer_ms` without the waits for copies, which the planner's model adds itself.
+
+    A release's wait is a span of its own; the wait for a reload is inside the backward that reads
+    it, until the layer's last host-to-device copy ends, and is taken out of that backward here.
+    """
+    fwd, bwd = per_layer_ms(spans, n)
+    reloaded: dict[int, float] = {}
+    for s in spans:
+        if s.lane == "host-to-device" and s.layer is not None:
+            reloaded[s.layer] = max(s.end, reloaded.get(s.layer, s.end))
+    for s in spans:
+        if s.lane == "compute" and s.name[:1] == "B" and s.layer in reloaded:
+            bwd[s.layer] -= max(0.0, min(s.end, reloaded[s.layer]) - s.start)
+    return fwd, bwd
 
 
 def measure_link(device: torch.device | str | None = None, nbytes: int = 256 * 2**20) -> LinkCost:
