@@ -349,20 +349,21 @@ def test_measured_costs_match_what_each_layer_saves_and_takes_in():
     assert link.d2h_gb_per_s > 0 and link.h2d_gb_per_s == link.d2h_gb_per_s
 
 
-def _fake_hook_free_step(base: dict, per_round: list[float], order: list, seen: dict):
-    """A stand-in for ``plan_costs._hook_free_step``: each run's per-layer times from ``base``, every
-    run of a round scaled by that round's factor (the first call of a run is its warm-up)."""
-    calls = {name: 0 for name in base}
+def _fake_hook_free_step(times, per_round: list[float], runs: list):
+    """A stand-in for ``plan_costs._hook_free_step``: ``times(offloaded, recomputed)`` gives a run's
+    per-layer times, every run of a round scaled by that round's factor (a run's first call is its
+    warm-up). ``runs`` collects ``(offloaded, recomputed)`` of each call, in order."""
+    calls: dict = {}
 
     def fake_step(run_layers, x, offloaded, param_layers):
-        name = "offloaded" if offloaded else ("recomputed" if isinstance(run_layers[0], Checkpointed) else "kept")
-        seen[name] = tuple(offloaded)
+        key = (tuple(offloaded), tuple(i for i, layer in enumerate(run_layers) if isinstance(layer, Checkpointed)))
+        calls[key] = 0
 
         def step():
-            order.append(name)
-            r = max(0, calls[name] - 1)
-            calls[name] += 1
-            f, b = base[name]
+            runs.append(key)
+            r = max(0, calls[key] - 1)
+            calls[key] += 1
+            f, b = times(*key)
             return ([t * per_round[r] for t in f], [t * per_round[r] for t in b])
 
         class Engine:
@@ -373,54 +374,83 @@ def _fake_hook_free_step(base: dict, per_round: list[float], order: list, seen: 
     return fake_step
 
 
+def _spilling_times(kept_f, kept_b, kind_of, off_f, off_b, rec):
+    """Per-layer times of a launch-bound step: offloading layer j lengthens the forward of layer
+    j + 1 (its host work runs beside j's copies) by ``off_f[kind]`` and j's backward by ``off_b[kind]``;
+    recomputing j lengthens its backward by ``rec[kind]``."""
+    def times(offloaded, recomputed):
+        f, b = list(kept_f), list(kept_b)
+        for j in offloaded:
+            f[j + 1] += off_f[kind_of[j]]
+            b[j] += off_b[kind_of[j]]
+        for j in recomputed:
+            b[j] += rec[kind_of[j]]
+        return f, b
+    return times
+
+
 def test_per_choice_times_are_the_hook_free_runs_taking_turns(monkeypatch):
     """With ``per_choice`` the times are the hook-free runs' (a probe's hooks on every layer lengthen
-    every forward of a launch-bound layer), the three runs take turns step by step, and what recomputing
-    or offloading adds is the median over rounds of the difference within a round: a round that ran
-    slow throughout (the machine drifting) does not move it."""
+    every forward of a launch-bound layer), the runs take turns step by step, and what recomputing or
+    offloading adds is the median over rounds of the whole step's difference within a round, per
+    layer changed: a round that ran slow throughout (the machine drifting) does not move it, and a
+    cost that shows in the next layer's forward counts."""
     from offload_examples.instruments import plan_costs
 
-    per_round = [1.0, 3.0, 1.0]  # the second round runs three times slower, every run alike
-    base = {"kept": ([1.0, 1.0], [2.0, 2.0]), "offloaded": ([1.5, 0.5], [9.0, 9.0]),
-            "recomputed": ([1.25, 1.25], [2.5, 2.5])}
-    order, seen = [], {}
-    monkeypatch.setattr(plan_costs, "_hook_free_step", _fake_hook_free_step(base, per_round, order, seen))
+    runs = []
+    times = _spilling_times([1.0, 1.0], [2.0, 2.0], [0, 0], off_f=[0.5], off_b=[7.0], rec=[0.75])
+    # the second round runs three times slower, every run alike
+    monkeypatch.setattr(plan_costs, "_hook_free_step", _fake_hook_free_step(times, [1.0, 3.0, 1.0], runs))
     monkeypatch.setattr(plan_costs, "_busy_ms", lambda spans, n: spans)
     layers = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
     probe = [LayerCost(100.0, 200.0, 10, 2), LayerCost(100.0, 200.0, 10, 2)]  # a probe's inflated times
     costs = plan_costs._per_choice(probe, layers, torch.zeros(1, 2), steps=3)
-    assert order == ["kept", "recomputed", "offloaded"] * 4  # a warm-up each, then three rounds in turn
-    assert seen["offloaded"] == (0,)  # one layer of the one kind, never the last
+    kept, offloaded, recomputed = ((), ()), ((0,), ()), ((), (0,))  # never the last layer offloaded
+    assert runs == [kept, offloaded, recomputed] * 4  # a warm-up each, then three rounds in turn
     assert [(c.forward_ms, c.backward_ms) for c in costs] == [(1.0, 2.0), (1.0, 2.0)]
-    assert [c.recompute_ms for c in costs] == [0.75, 0.75]  # (1.25 + 2.5) - (1 + 2), round by round
-    # kept + what offloading added (round by round); the last layer is never offloaded
+    assert [c.recompute_ms for c in costs] == [0.75, 0.75]  # every layer of the kind
+    # kept + what offloading added to the step (the forward's part showed in layer 1)
     assert costs[0].offloaded_forward_ms == 1.5 and costs[1].offloaded_forward_ms is None
     assert costs[0].offloaded_backward_ms == 9.0 and costs[1].offloaded_backward_ms is None
     assert [c.saved_bytes for c in costs] == [10, 10]
 
 
-def test_offloading_is_timed_on_one_layer_of_each_kind(monkeypatch):
-    """The offloaded run offloads the first layer of each kind only, so its copies do not hold the
-    compute stream back (with every layer offloaded the host work of the hooks hid behind the waits
-    for copies: TE layers, session 10); every layer of a kind gets its own kept forward plus what
-    offloading added to its kind's, and a kind found only in the last layer gets None."""
+def test_each_kind_is_timed_on_a_few_of_its_layers(monkeypatch):
+    """For each kind of layer one run offloads its first OFFLOAD_SAMPLE layers (never the model's last)
+    and one recomputes a RECOMPUTE_SHARE-th of them: few, so that the copies fit and the backward's
+    spare host time is not used up (TE layers, session 11); each layer of a kind gets its own kept
+    times plus its kind's additions, and a kind found only in the last layer no offloaded times."""
     from offload_examples.instruments import plan_costs
 
-    wide, narrow, last = torch.nn.Linear(4, 4), torch.nn.Linear(2, 2), torch.nn.Linear(3, 3)
-    layers = [narrow, wide, torch.nn.Linear(2, 2), torch.nn.Linear(4, 4), last]
-    kept_f = [1.0, 2.0, 1.25, 2.5, 3.0]
-    base = {"kept": (kept_f, [1.0] * 5),
-            "offloaded": ([1.5, 5.0, 1.25, 2.5, 3.0], [7.0] * 5),  # layers 0 and 1 offloaded
-            "recomputed": ([1.0] * 5, [1.0] * 5)}
-    order, seen = [], {}
-    monkeypatch.setattr(plan_costs, "_hook_free_step", _fake_hook_free_step(base, [1.0, 1.0], order, seen))
+    narrow, wide = (lambda: torch.nn.Linear(2, 2)), (lambda: torch.nn.Linear(4, 4))
+    layers = [narrow(), wide(), narrow(), wide(), narrow(), wide(), narrow(), wide(), torch.nn.Linear(3, 3)]
+    kind_of = [0, 1] * 4 + [2]
+    times = _spilling_times([1.0, 2.0, 1.25, 2.5, 1.0, 2.0, 1.0, 2.0, 3.0], [1.0] * 9, kind_of,
+                            off_f=[0.5, 1.5], off_b=[0.25, 0.75], rec=[0.5, 1.0, 2.0])
+    runs = []
+    monkeypatch.setattr(plan_costs, "_hook_free_step", _fake_hook_free_step(times, [1.0, 1.0], runs))
     monkeypatch.setattr(plan_costs, "_busy_ms", lambda spans, n: spans)
-    probe = [LayerCost(9.0, 9.0, 10 * (1 + i % 2), 2) for i in range(4)] + [LayerCost(9.0, 9.0, 30, 3)]
+    probe = [LayerCost(9.0, 9.0, 10 * (1 + k), 2) for k in kind_of]
     costs = plan_costs._per_choice(probe, layers, torch.zeros(1, 2), steps=2)
-    assert seen["offloaded"] == (0, 1)
-    assert [c.offloaded_forward_ms for c in costs] == [1.5, 5.0, 1.75, 5.5, None]
-    assert [c.offloaded_backward_ms for c in costs] == [7.0, 7.0, 7.0, 7.0, None]
-    assert [c.recompute_ms for c in costs] == [0.0] * 5  # faster when recomputed is noise: never below 0
+    assert plan_costs.OFFLOAD_SAMPLE == 2 and plan_costs.RECOMPUTE_SHARE == 4
+    assert runs[:6] == [((), ()), ((0, 2), ()), ((), (0,)), ((1, 3), ()), ((), (1,)), ((), (8,))]
+    assert [c.offloaded_forward_ms for c in costs] == [1.5, 3.5, 1.75, 4.0, 1.5, 3.5, 1.5, 3.5, None]
+    assert [c.offloaded_backward_ms for c in costs] == [1.25, 1.75] * 4 + [None]
+    assert [c.recompute_ms for c in costs] == [0.5, 1.0] * 4 + [2.0]
+
+
+def test_a_faster_choice_is_noise_and_adds_nothing(monkeypatch):
+    """A step that ran faster offloaded or recomputed than kept in the same round is noise: nothing
+    is added (the planner would otherwise offload or recompute for speed)."""
+    from offload_examples.instruments import plan_costs
+
+    times = _spilling_times([1.0] * 3, [1.0] * 3, [0, 0, 0], off_f=[-0.5], off_b=[-0.25], rec=[-0.5])
+    monkeypatch.setattr(plan_costs, "_hook_free_step", _fake_hook_free_step(times, [1.0], []))
+    monkeypatch.setattr(plan_costs, "_busy_ms", lambda spans, n: spans)
+    layers = [torch.nn.Linear(2, 2) for _ in range(3)]
+    costs = plan_costs._per_choice([LayerCost(9.0, 9.0, 10, 2)] * 3, layers, torch.zeros(1, 2), steps=1)
+    assert [(c.offloaded_forward_ms, c.offloaded_backward_ms, c.recompute_ms) for c in costs] == \
+        [(1.0, 1.0, 0.0), (1.0, 1.0, 0.0), (None, None, 0.0)]
 
 
 def test_busy_ms_takes_the_waits_for_copies_out():

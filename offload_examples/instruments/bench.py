@@ -598,7 +598,7 @@ class PlannerSetup:
 
 def _planner_setup(model: nn.ModuleList, x: torch.Tensor, base, link: LinkCost, config: BenchConfig) -> PlannerSetup:
     """Measure ``model``'s costs once and calibrate them on the no-offload measurement ``base``."""
-    costs, idle = measure_costs(list(model), x, steps=max(1, min(8, config.steps)))
+    costs, idle = measure_costs(list(model), x, steps=max(1, min(40, 2 * config.steps)))
     keep = (KEEP,) * len(costs)
     saved_peak, raw_ms = simulate_plan(keep, costs, link)
     scale = base.median_ms / raw_ms if raw_ms > 0 else 1.0

@@ -4,9 +4,9 @@
 hooks count what every layer saves) with timing marks on the compute stream, and returns one
 :class:`~offload_examples.features.planner.LayerCost` per layer: forward and backward time (median
 over the steps), the bytes its forward keeps for backward, and the bytes of its input (what
-recomputation keeps instead). It then times the layers kept, offloaded (one of each kind) and
-recomputed without the probe's hooks, in three more runs that take turns step by step, and the times
-it returns are theirs: where a step is launch bound (the GPU waits for the host, as on Transformer Engine's layers), hooks,
+recomputation keeps instead). It then times the layers kept, offloaded and recomputed (a few of
+each kind) without the probe's hooks, in more runs that take turns step by step, and the times it
+returns are theirs: where a step is launch bound (the GPU waits for the host, as on Transformer Engine's layers), hooks,
 copies and the checkpoint's host work lengthen it, and only timing them tells by how much; the probe's
 hooks on every layer would lengthen every forward, where a plan's engine hooks only the layers it
 offloads. Layers of one kind (same class, same parameter and buffer shapes and dtypes, same saved and
@@ -59,15 +59,16 @@ def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 5,
     layer's times are the median over them. On a CPU the times are host times of a CPU run: right
     for planning a CPU run, not a prediction for a GPU.
 
-    With ``per_choice`` (the default) three more runs, taking turns step by step, time every layer
-    kept, the first layer of each kind offloaded (the last layer never is) and every layer
-    recomputed, with hooks only where a plan's engine has them. Then ``forward_ms`` and
-    ``backward_ms`` are the kept run's; ``offloaded_forward_ms`` and ``offloaded_backward_ms`` are
-    the kept ones plus what offloading added to the forward and to the backward of the layer's kind
-    (the waits for copies left out: ``_busy_ms``; the planner's model adds its own), and ``recompute_ms``
-    what the recomputed run's forward and backward took more than the kept run's (each the median
-    over the rounds of the difference within a round, never below 0). The offloading run pins host
-    memory for the layers it offloads, and gives it back when it ends.
+    With ``per_choice`` (the default) more runs, taking turns step by step, time every layer kept
+    and, for each kind of layer, a few of its layers offloaded and a few recomputed
+    (:data:`OFFLOAD_SAMPLE`, :data:`RECOMPUTE_SHARE`), with hooks only where a plan's engine has
+    them. Then ``forward_ms`` and ``backward_ms`` are the kept run's; ``offloaded_forward_ms`` and
+    ``offloaded_backward_ms`` are the kept ones plus what offloading added to the step's forwards and
+    backwards per layer offloaded (the waits for copies left out: ``_busy_ms``; the planner's model
+    adds its own), and ``recompute_ms`` what recomputing added to the step per layer recomputed:
+    each the median over the rounds of the difference within a round, never below 0, the same for
+    every layer of the kind (``_per_choice``). The offloading runs pin host memory for the layers
+    they offload, and give it back when they end.
 
     With ``pool_kinds`` (the default) layers of one kind share their times (``_pooled_by_kind``):
     each is the median over the kind's layers. The last layer, never timed offloaded, then gets its
@@ -196,36 +197,57 @@ def _hook_free_step(layers: Sequence[nn.Module], x: torch.Tensor, offloaded: Seq
     return (lambda: record_layer_timeline(step, ctx)), ctx
 
 
-def _representatives(costs: Sequence[LayerCost], layers: Sequence[nn.Module]) -> dict[tuple, int]:
-    """The first layer of each kind (``_kind``), the last layer left out: the ones timed offloaded."""
-    reps: dict[tuple, int] = {}
-    for i in range(len(layers) - 1):
-        reps.setdefault(_kind(layers[i], costs[i]), i)
-    return reps
+#: At most this many layers of a kind are offloaded in the run that times offloading them: few
+#: enough that their copies fit behind the compute, as in the plans that offload at all.
+OFFLOAD_SAMPLE = 2
+#: One layer in this many of a kind (at least one) is recomputed in the run that times recomputing
+#: them. Not all: on Transformer Engine's layers the backward has host time to spare while most
+#: layers are kept, and recomputing every layer used it up (all 12 recomputed measured 5.8 ms a layer,
+#: 2, 4 and 8 of them 3.2-3.5 ms: planner bench, session 11).
+RECOMPUTE_SHARE = 4
+
+
+def _samples(costs: Sequence[LayerCost], layers: Sequence[nn.Module]) -> list[tuple[list[int], list[int], list[int]]]:
+    """For each kind (``_kind``): its layers, those timed offloaded and those timed recomputed.
+
+    The first :data:`OFFLOAD_SAMPLE` layers of the kind are offloaded (never the model's last layer),
+    the first ``1 / RECOMPUTE_SHARE`` of them (at least one) recomputed.
+    """
+    kinds: dict[tuple, list[int]] = {}
+    for i, (layer, cost) in enumerate(zip(layers, costs)):
+        kinds.setdefault(_kind(layer, cost), []).append(i)
+    n = len(layers)
+    return [(members, [i for i in members if i < n - 1][:OFFLOAD_SAMPLE],
+             members[:max(1, len(members) // RECOMPUTE_SHARE)]) for members in kinds.values()]
 
 
 def _per_choice(costs: list[LayerCost], layers: Sequence[nn.Module], x: torch.Tensor, steps: int) -> list[LayerCost]:
     """``costs`` with each layer's times kept, offloaded and recomputed, from runs without the probe's
     hooks that take turns step by step.
 
-    Taking turns exposes the runs to the same drift of the machine (on launch-bound layers the
-    step time wanders by several percent within a minute), and every added cost is the median, over
-    the rounds, of a difference taken within one round: recomputation from a run recomputing every
-    layer, offloading from a run offloading one layer of each kind (``_representatives``).
+    The runs: every layer kept, and for each kind of layer (``_samples``) one run offloading a few of
+    its layers and one recomputing a few. What a choice adds to one layer is what the whole step
+    (its forwards, its backwards; the waits for copies left out) took more than the kept run's in the
+    same round, divided by the layers the run changed: the median over the rounds. Taking turns
+    exposes the runs to the same drift of the machine (on launch-bound layers the step time wanders
+    by several percent within a minute).
 
-    Why one layer of each kind and not every layer but the last: with every layer offloaded the copies
-    take longer than the forward, the compute stream waits for them at each release and falls behind
-    the host, and the host work of the engine's hooks then hides behind those waits; in a plan that
-    offloads a few layers it does not. On Transformer Engine's layers (launch bound) the forward of an
-    offloaded layer timed no longer than a kept one in that run, while the host time of its forward
-    grew by about 2 ms (diag19, session 10) and plans offloading two layers measured 5 % slower than
-    predicted (planner bench, session 10).
+    Why the whole step: on a launch-bound step (Transformer Engine's layers) what offloading costs
+    shows up in the layers after the one offloaded, whose host work runs while its copies do; that
+    layer's own forward grew by 1.3-2.6 ms while plans offloading two layers measured about 7 ms a
+    layer slower (planner bench, session 11). Why a few layers: with every layer offloaded the copies
+    take longer than the forward, the compute stream waits for them and falls behind the host, and
+    the host work of the engine hides behind those waits, as it does not in a plan that offloads
+    few; recomputing every layer used up host time the backward has to spare (:data:`RECOMPUTE_SHARE`).
     """
     n = len(layers)
-    reps = _representatives(costs, layers)
-    runs = {"kept": (layers, ()), "recomputed": ([Checkpointed(layer) for layer in layers], ())}
-    if reps:
-        runs["offloaded"] = (layers, tuple(sorted(reps.values())))
+    samples = _samples(costs, layers)
+    runs: dict[object, tuple[Sequence[nn.Module], tuple[int, ...]]] = {"kept": (layers, ())}
+    for g, (_, offloaded, recomputed) in enumerate(samples):
+        if offloaded:
+            runs["offloaded", g] = (layers, tuple(offloaded))
+        runs["recomputed", g] = ([Checkpointed(layer) if i in recomputed else layer
+                                  for i, layer in enumerate(layers)], ())
     timed, engines, rounds = {}, [], []
     try:
         for name, (run_layers, offloaded) in runs.items():
@@ -240,23 +262,25 @@ def _per_choice(costs: list[LayerCost], layers: Sequence[nn.Module], x: torch.Te
             engine.pool.release()
     kept_f, kept_b = _medians([r["kept"] for r in rounds], n)
 
-    def added(run: str, i: int, phases: tuple[int, ...]) -> float:
-        # Neither choice makes a layer's compute faster: a shorter time is noise, which would make
-        # the planner offload or recompute for speed, so nothing adds less than 0.
-        return max(0.0, statistics.median(sum(r[run][p][i] - r["kept"][p][i] for p in phases) for r in rounds))
+    def added(run: object, phases: tuple[int, ...], layers_changed: int) -> float:
+        # Neither choice makes compute faster: a shorter step is noise, which would make the
+        # planner offload or recompute for speed, so nothing adds less than 0.
+        more = statistics.median(sum(sum(r[run][p]) - sum(r["kept"][p]) for p in phases) for r in rounds)
+        return max(0.0, more) / layers_changed
 
-    by_kind = {kind: (added("offloaded", i, (0,)), added("offloaded", i, (1,))) for kind, i in reps.items()}
-
-    def offloaded(i: int, phase: int, kept: list[float]) -> float | None:
-        # A layer of a kind timed offloaded gets what offloading added to its kind's forward (or
-        # backward); the last layer, never offloaded, and a kind found only there, get None.
-        kind = _kind(layers[i], costs[i])
-        return kept[i] + by_kind[kind][phase] if i < n - 1 and kind in by_kind else None
-
-    return [dataclasses.replace(
-        c, forward_ms=kept_f[i], backward_ms=kept_b[i], offloaded_forward_ms=offloaded(i, 0, kept_f),
-        offloaded_backward_ms=offloaded(i, 1, kept_b), recompute_ms=added("recomputed", i, (0, 1)),
-    ) for i, c in enumerate(costs)]
+    out = list(costs)
+    for g, (members, offloaded, recomputed) in enumerate(samples):
+        off = (added(("offloaded", g), (0,), len(offloaded)), added(("offloaded", g), (1,), len(offloaded))) \
+            if offloaded else None
+        rec = added(("recomputed", g), (0, 1), len(recomputed))
+        for i in members:
+            # the last layer, never offloaded, and a kind found only there, get no offloaded times
+            timed_off = off is not None and i < n - 1
+            out[i] = dataclasses.replace(
+                costs[i], forward_ms=kept_f[i], backward_ms=kept_b[i], recompute_ms=rec,
+                offloaded_forward_ms=kept_f[i] + off[0] if timed_off else None,
+                offloaded_backward_ms=kept_b[i] + off[1] if timed_off else None)
+    return out
 
 
 def _busy_ms(spans: Sequence[Span], n: int) -> tuple[list[float], list[float]]:
