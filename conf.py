@@ -77,6 +77,10 @@ stored_sources = {
     "plan-bench9": "docs/runs/2026-11-24-h100-session9/bench_planner_cost_differences/bench.json#models[A]",
     "gpu-session10": "docs/runs/2026-11-24-h100-session10/README.md",
     "plan-bench10": "docs/runs/2026-11-24-h100-session10/bench_planner/bench.json#models[A]",
+    "gpu-session11": "docs/runs/2026-11-24-h100-session11/README.md",
+    # the planner's costs from one layer's own phases (c8e7d6f), then from the whole step (39da591)
+    "plan-bench11a": "docs/runs/2026-11-24-h100-session11/bench_planner_c8e7d6f/bench.json#models[A]",
+    "plan-bench11": "docs/runs/2026-11-24-h100-session11/bench_planner/bench.json#models[A]",
 }
 
 extensions = [

@@ -61,7 +61,7 @@ def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 5,
 
     With ``per_choice`` (the default) more runs, taking turns step by step, time every layer kept
     and, for each kind of layer, a few of its layers offloaded and a few recomputed
-    (:data:`OFFLOAD_SAMPLE`, :data:`RECOMPUTE_SHARE`), with hooks only where a plan's engine has
+    (``OFFLOAD_SAMPLE``, ``RECOMPUTE_SHARE``), with hooks only where a plan's engine has
     them. Then ``forward_ms`` and ``backward_ms`` are the kept run's; ``offloaded_forward_ms`` and
     ``offloaded_backward_ms`` are the kept ones plus what offloading added to the step's forwards and
     backwards per layer offloaded (the waits for copies left out: ``_busy_ms``; the planner's model
