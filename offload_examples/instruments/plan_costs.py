@@ -4,16 +4,16 @@
 hooks count what every layer saves) with timing marks on the compute stream, and returns one
 :class:`~offload_examples.features.planner.LayerCost` per layer: forward and backward time (median
 over the steps), the bytes its forward keeps for backward, and the bytes of its input (what
-recomputation keeps instead). It then times the layers kept, offloaded and recomputed (a few of
-each kind) without the probe's hooks, in more runs that take turns step by step, and the times it
-returns are theirs: where a step is launch bound (the GPU waits for the host, as on Transformer Engine's layers), hooks,
-copies and the checkpoint's host work lengthen it, and only timing them tells by how much; the probe's
-hooks on every layer would lengthen every forward, where a plan's engine hooks only the layers it
-offloads. Layers of one kind (same class, same parameter and buffer shapes and dtypes, same saved and
+recomputation keeps instead). It then times the layers kept, offloaded and recomputed (a few of each
+kind) without the probe's hooks, in more runs that take turns step by step, and the times it returns are
+theirs: where a step is launch bound (the GPU waits for the host, as on Transformer Engine's layers),
+hooks, copies and the checkpoint's host work lengthen it, and only timing them tells by how much; the
+probe's hooks on every layer would lengthen every forward, where a plan's engine hooks only the layers
+it offloads. Layers of one kind (same class, same parameter and buffer shapes and dtypes, same saved and
 input bytes) then share one cost: each time is the median over the kind's layers, since timings of
 identical layers differ only by noise, which an exact search would exploit (``pool_kinds=False`` keeps
-each layer's own). :func:`measure_link` times pinned copies each way and both at once
-on a GPU; on a CPU, where the engine's copies are host-to-host memory copies, it times those.
+each layer's own). :func:`measure_link` times pinned copies each way and both at once on a GPU; on a
+CPU, where the engine's copies are host-to-host memory copies, it times those.
 
 Typical use::
 
