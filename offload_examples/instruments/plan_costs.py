@@ -114,6 +114,14 @@ def _kind(layer: nn.Module, cost: LayerCost) -> tuple:
             cost.saved_bytes, cost.input_bytes)
 
 
+def _kinds(costs: Sequence[LayerCost], layers: Sequence[nn.Module]) -> list[list[int]]:
+    """The layers' indices grouped by kind (``_kind``), each group and the groups in layer order."""
+    groups: dict[tuple, list[int]] = {}
+    for i, (layer, cost) in enumerate(zip(layers, costs)):
+        groups.setdefault(_kind(layer, cost), []).append(i)
+    return list(groups.values())
+
+
 def _pooled_by_kind(costs: Sequence[LayerCost], layers: Sequence[nn.Module]) -> list[LayerCost]:
     """``costs`` with every time replaced by its median over the layers of the same kind.
 
@@ -141,11 +149,8 @@ def _pooled_by_kind(costs: Sequence[LayerCost], layers: Sequence[nn.Module]) -> 
     and measured steps then came out 2-17 % above the prediction (12 TE layers, issue #17). One cost per kind
     gives it no noise to exploit.
     """
-    groups: dict[tuple, list[int]] = {}
-    for i, (layer, cost) in enumerate(zip(layers, costs)):
-        groups.setdefault(_kind(layer, cost), []).append(i)
     pooled = list(costs)
-    for members in groups.values():
+    for members in _kinds(costs, layers):
         medians = {}
         for name in TIME_FIELDS:
             values = [getattr(costs[i], name) for i in members if getattr(costs[i], name) is not None]
@@ -213,12 +218,9 @@ def _samples(costs: Sequence[LayerCost], layers: Sequence[nn.Module]) -> list[tu
     The first :data:`OFFLOAD_SAMPLE` layers of the kind are offloaded (never the model's last layer),
     the first ``1 / RECOMPUTE_SHARE`` of them (at least one) recomputed.
     """
-    kinds: dict[tuple, list[int]] = {}
-    for i, (layer, cost) in enumerate(zip(layers, costs)):
-        kinds.setdefault(_kind(layer, cost), []).append(i)
     n = len(layers)
     return [(members, [i for i in members if i < n - 1][:OFFLOAD_SAMPLE],
-             members[:max(1, len(members) // RECOMPUTE_SHARE)]) for members in kinds.values()]
+             members[:max(1, len(members) // RECOMPUTE_SHARE)]) for members in _kinds(costs, layers)]
 
 
 def _per_choice(costs: list[LayerCost], layers: Sequence[nn.Module], x: torch.Tensor, steps: int) -> list[LayerCost]:
