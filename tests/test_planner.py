@@ -580,3 +580,29 @@ def test_apply_plan_on_a_bare_cuda_device_offloads():
     h.sum().backward()
     assert ctx.device == torch.device("cuda", torch.cuda.current_device())
     assert ctx.stats[0].offloaded_bytes > 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.sampled_from([KEEP, OFFLOAD, RECOMPUTE]), min_size=4, max_size=4), st.sampled_from([KEEP, RECOMPUTE]),
+       st.booleans())
+def test_any_applied_plan_runs_bitwise_with_the_schedules_resident_bytes(first, last, retain):
+    """Every plan shape (offloaded layers anywhere but last, recomputed ones between them), on transformer
+    layers (views, attention): three steps, each bitwise equal to a plain step, with the engine's resident
+    bytes following the plan's schedule and no saved view left after backward."""
+    from offload_examples.features.planner import apply_plan
+    from offload_examples.instruments.measure import compare_grads, resident_vs_theory, snapshot, training_step
+    from offload_examples.instruments.models import build_basic_model
+
+    choices = (*first, last)
+    model = build_basic_model(len(choices), 16, 2, 32, kind="torch")
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    reference = snapshot(model, x, training_step(model, x))
+    ctx, sync, layers = apply_plan(Plan(choices, 0, 0.0), list(model), device="cpu", retain_pinned_cpu_buffers=retain)
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        got = snapshot(model, x, training_step(layers, x, ctx, sync))
+        assert compare_grads(reference, got).equal, choices
+        assert [s.offloaded_bytes > 0 for s in ctx.stats] == [c is OFFLOAD for c in choices]
+        assert all(g == w for _, _, g, w in resident_vs_theory(ctx)), choices
+        assert ctx.live_views == 0
