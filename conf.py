@@ -81,9 +81,8 @@ stored_sources = {
     # the planner's costs from one layer's own phases (c8e7d6f), then from the whole step (39da591)
     "plan-bench11a": "docs/runs/2026-11-24-h100-session11/bench_planner_c8e7d6f/bench.json#models[A]",
     "plan-bench11": "docs/runs/2026-11-24-h100-session11/bench_planner/bench.json#models[A]",
-    # the same code as plan-bench11, with A-wide (TE layers, twice the width) beside the three models
+    # why TE-layer steps vary; plan-bench11's code again, with A-wide (TE layers, twice the width) beside
     "gpu-session12": "docs/runs/2026-11-24-h100-session12/README.md",
-    "plan-bench12": "docs/runs/2026-11-24-h100-session12/bench_planner/bench.json#models[A]",
 }
 
 extensions = [
