@@ -297,7 +297,7 @@ def test_an_applied_plan_runs_bitwise_and_offloads_exactly_its_layers():
     import torch
 
     from offload_examples.features.planner import Checkpointed, apply_plan
-    from offload_examples.instruments.measure import compare_grads, resident_vs_theory, snapshot, training_step
+    from offload_examples.instruments.measure import snapshot, training_step
     from offload_examples.instruments.models import build_linear_stack
 
     n = 6
@@ -310,14 +310,7 @@ def test_an_applied_plan_runs_bitwise_and_offloads_exactly_its_layers():
     x.grad = None
     ctx, sync, layers = apply_plan(chosen, list(model), device="cpu")
     assert [isinstance(layer, Checkpointed) for layer in layers] == [c is RECOMPUTE for c in choices]
-    for _ in range(2):
-        model.zero_grad(set_to_none=True)
-        x.grad = None
-        got = snapshot(model, x, training_step(layers, x, ctx, sync))
-        assert compare_grads(reference, got).equal
-        assert [s.offloaded_bytes > 0 for s in ctx.stats] == [c is OFFLOAD for c in choices]
-        assert all(g == w for _, _, g, w in resident_vs_theory(ctx))
-        assert ctx.live_views == 0
+    _check_plan_steps(choices, model, x, reference, (ctx, sync, layers), steps=2)
     with pytest.raises(ValueError, match="6 choices but there are 5 layers"):
         apply_plan(chosen, list(model)[:5], device="cpu")
 
@@ -590,15 +583,24 @@ def test_any_applied_plan_runs_bitwise_with_the_schedules_resident_bytes(first, 
     layers (views, attention): three steps, each bitwise equal to a plain step, with the engine's resident
     bytes following the plan's schedule and no saved view left after backward."""
     from offload_examples.features.planner import apply_plan
-    from offload_examples.instruments.measure import compare_grads, resident_vs_theory, snapshot, training_step
+    from offload_examples.instruments.measure import snapshot, training_step
     from offload_examples.instruments.models import build_basic_model
 
     choices = (*first, last)
     model = build_basic_model(len(choices), 16, 2, 32, kind="torch")
     x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
     reference = snapshot(model, x, training_step(model, x))
-    ctx, sync, layers = apply_plan(Plan(choices, 0, 0.0), list(model), device="cpu", retain_pinned_cpu_buffers=retain)
-    for _ in range(3):
+    applied = apply_plan(Plan(choices, 0, 0.0), list(model), device="cpu", retain_pinned_cpu_buffers=retain)
+    _check_plan_steps(choices, model, x, reference, applied, steps=3)
+
+
+def _check_plan_steps(choices, model, x, reference, applied, steps):
+    """Run ``steps`` steps of an applied plan: each bitwise equal to the plain ``reference``, exactly the
+    plan's layers offloaded, resident bytes as the schedule says, no saved view left after backward."""
+    from offload_examples.instruments.measure import compare_grads, resident_vs_theory, snapshot, training_step
+
+    ctx, sync, layers = applied
+    for _ in range(steps):
         model.zero_grad(set_to_none=True)
         x.grad = None
         got = snapshot(model, x, training_step(layers, x, ctx, sync))
