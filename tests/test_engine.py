@@ -128,6 +128,37 @@ def test_event_order_follows_the_rule(n, k):
         assert ctx.events == expected_events(n, k)
 
 
+def test_a_layer_reloads_its_last_saved_storage_first(monkeypatch):
+    """Backward reads a layer's tensors about in the reverse order of their saving, and waits for each
+    record's own copy: the reload copies the storage saved last first (a storage saved twice counts
+    at its last save), so the layer's backward can start before all of it is back."""
+    from offload_examples.core import engine as engine_module
+
+    ws = [(torch.randn(width, 16, requires_grad=True), torch.randn(16, 32, requires_grad=True)) for width in (8, 32)]
+
+    def layer(j: int, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(x @ ws[j][0])  # saves x, then tanh's output
+        h = h @ ws[j][1]  # saves tanh's output again
+        return h.sin() + (x * x).sum(-1, keepdim=True)  # saves h, then x again (the last save)
+
+    x0 = torch.randn(64, 8, requires_grad=True)
+    order: list[int] = []
+    copy_in = engine_module._StorageRecord.copy_in
+    monkeypatch.setattr(engine_module._StorageRecord, "copy_in", lambda rec: (order.append(rec.nbytes), copy_in(rec)))
+    ctx, sync = offload(1, 2)
+    grads = []
+    for run in ("engine", "reference"):
+        h = x0 * 1.0  # layer 0's input comes from autograd, so it is offloaded too
+        for j in range(2):
+            with ctx if run == "engine" else contextlib.nullcontext():
+                h = layer(j, h)
+            h = sync(h) if run == "engine" else h
+        grads.append(torch.autograd.grad(h.square().sum(), [x0, *ws[0], *ws[1]]))
+    assert [torch.equal(a, b) for a, b in zip(*grads)] == [True] * 5
+    # x (64 x 8 floats), then h (64 x 32), then tanh's output (64 x 16)
+    assert order == [64 * 8 * 4, 64 * 32 * 4, 64 * 16 * 4]
+
+
 # ---------------------------------------------------------------- release: no references remain
 class Probed(nn.Module):
     """Linear -> GELU -> Linear that keeps weak references to the storages of its saved

@@ -24,7 +24,8 @@
 4. **Reloaded.** When the schedule says so (by default at the backward of layer
    ``i + max(1, N - 2 - k)``, seen through the gradient hook placed by ``sync``), new GPU memory
    is allocated *on the home stream*, so it returns to the pool of the stream that reads it, and
-   filled on the host-to-device stream; each record gets its own event. If something else kept
+   filled on the host-to-device stream; each record gets its own event, and the storage saved last
+   is copied first (backward reads it first). If something else kept
    the original memory alive since the release (a framework's cache, a later layer's saved
    tensor), the record only takes it back: backward reads it in place, as without offloading,
    and no duplicate is made. (The release counted those bytes as held: they freed nothing.)
@@ -91,7 +92,7 @@ class _StorageRecord:
 
     __slots__ = ("streams", "pool", "layer", "iteration", "nbytes", "home", "device", "original", "version",
                  "original_ref", "witness", "weak", "address", "host", "offloaded", "reloaded", "views", "aborted", "captured",
-                 "not_from_autograd", "tried")
+                 "not_from_autograd", "tried", "last_saved")
 
     def __init__(self, engine: OffloadEngine, layer: int, t: torch.Tensor, not_from_autograd: bool,
                  home: torch.cuda.Stream | None, captured: bool):
@@ -122,6 +123,8 @@ class _StorageRecord:
         #: Made by an op autograd does not see into: copied only if nothing else holds the storage.
         self.not_from_autograd = not_from_autograd
         self.tried = False  # a copy out was attempted (at most once)
+        #: When a tensor of this storage was last saved (the engine's count of saves): the reload order.
+        self.last_saved = 0
 
     def borrow_host(self) -> HostBuffer:
         """Step 2, first half: a host buffer for the copy. Raises :class:`HostMemoryLimitError` (or the
@@ -512,8 +515,13 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
 
     def _reload_layer(self, layer: int, why: str) -> None:
         self._move(layer, LayerState.RELOADING, why)
+        # Backward reads a layer's tensors about in the reverse order of their saving (its last
+        # operation's first), and waits for each record's own copy: reloading the last saved first
+        # lets it start on those while the rest still copy in. When the copies are the bound, only
+        # the first tensors of a layer's backward wait for them, not the whole layer.
+        records = sorted(self._records[layer], key=_last_saved, reverse=True)
         try:
-            self._reload(self._records[layer])
+            self._reload(records)
         except BaseException:
             self.layer_state[layer] = LayerState.RELEASED  # a retry reloads what is still on the host
             raise
@@ -584,11 +592,14 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
         """The record of ``t``'s storage: found, or made (its copy waits for the end of the layer)."""
         storage = t.untyped_storage()
         known = self._by_storage[layer].get(storage.data_ptr())
+        self._saves += 1
         if known is not None and known.device is not None and known.nbytes == storage.nbytes():
             if known.version != t._version:
                 raise in_place_error(layer)
+            known.last_saved = self._saves
             return known
         rec = _StorageRecord(self, layer, t, not_from_autograd, self.streams.current(), self.capturing())
+        rec.last_saved = self._saves
         self.stats[layer].candidate_bytes += rec.nbytes
         self._records[layer].append(rec)
         self._by_storage[layer][storage.data_ptr()] = rec
@@ -629,6 +640,10 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
                     self.resident_bytes -= rec.nbytes
                 rec.free(self.capturing())
 
+
+
+def _last_saved(rec: _StorageRecord) -> int:
+    return rec.last_saved
 
 
 def _grad_hook(engine_ref: weakref.ref, iteration: int, layer: int, grad: torch.Tensor) -> None:

@@ -52,6 +52,7 @@ class EngineIterations:
             self._by_storage: list[dict[int, _StorageRecord]] = [{} for _ in range(n)]
             self._seen: list[set[int]] = [set() for _ in range(n)]
             self._by_impl: dict[int, list[_StorageRecord]] = {}  # StorageImpl (kept by the weak refs) -> records
+            self._saves = 0  # tensors handed to records so far: their order sets the order of reloads
             self.layer_state = [LayerState.NOT_RUN] * n
             self.stats = self.counts.new_iteration(getattr(self, "stats", []), getattr(self, "_entered", 0),
                                                    [self.schedule.is_offloaded(j) for j in range(n)])
