@@ -188,8 +188,11 @@ class DefaultSchedule:
         Walks one iteration in order. Compute runs back to back except where the schedule makes
         it wait: a release waits for that layer's device-to-host copy, a backward for its
         host-to-device copy. Copies run one at a time per direction at full bandwidth; a layer's
-        copy out starts, at best, when its forward ends (the engine queues a layer's copies then). This is the bound the copy bandwidth sets: no
-        engine that keeps this schedule's memory can do better on this hardware.
+        copy out starts, at best, when its forward ends (the engine queues a layer's copies then).
+        This is the bound the copy bandwidth sets for an engine that keeps this schedule's memory
+        and starts a layer's backward once all of it is back. The engine's backward waits for each
+        tensor's own copy, and its reload copies first what backward reads first, so where the
+        reloads are the bound its step can come in slightly under this one.
 
         Parameters
         ----------

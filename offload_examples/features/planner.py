@@ -9,7 +9,8 @@ The step modelled is :class:`~offload_examples.core.schedule.DefaultSchedule`'s:
 - ``OFFLOAD``: its ``saved_bytes`` are copied out from the end of its forward and released, and
   reloaded, at :class:`SubsetSchedule`'s points (for the first ``k`` layers these are exactly
   ``DefaultSchedule(k, N)``'s; :func:`apply_plan` runs any set on the engine). A release waits for its copy
-  out, a backward for its reload; copies run one at a time per direction
+  out, a backward for its whole reload (the engine's backward starts on the tensors that come back
+  first, so where reloads are the bound this errs long); copies run one at a time per direction
   (:meth:`DefaultSchedule.predict_step_ms`). Its forward and backward take
   ``LayerCost.offloaded_forward_ms`` and ``offloaded_backward_ms`` where they were measured. The last
   layer is never offloaded.
