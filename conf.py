@@ -83,6 +83,11 @@ stored_sources = {
     "plan-bench11": "docs/runs/2026-11-24-h100-session11/bench_planner/bench.json#models[A]",
     # why TE-layer steps vary; plan-bench11's code again, with A-wide (TE layers, twice the width) beside
     "gpu-session12": "docs/runs/2026-11-24-h100-session12/README.md",
+    # the reload order: the same round robin before (diag22) and after (diag23) the change, and the bench with it
+    "order-before13": "docs/runs/2026-11-24-h100-session13/diag22.json#results",
+    "order13": "docs/runs/2026-11-24-h100-session13/diag23.json#results",
+    "te-bench13": "docs/runs/2026-11-24-h100-session13/bench_A20/bench.json#models[A]",
+    "gpu-session13": "docs/runs/2026-11-24-h100-session13/README.md",
 }
 
 extensions = [
