@@ -55,6 +55,7 @@ together, or :class:`GraphCaptureError` is raised during the capture, never at r
 from __future__ import annotations
 
 import functools
+import operator
 import threading
 import warnings
 import weakref
@@ -124,7 +125,7 @@ class _StorageRecord:
         self.not_from_autograd = not_from_autograd
         self.tried = False  # a copy out was attempted (at most once)
         #: When a tensor of this storage was last saved (the engine's count of saves): the reload order.
-        self.last_saved = 0
+        self.last_saved = engine._saves
 
     def borrow_host(self) -> HostBuffer:
         """Step 2, first half: a host buffer for the copy. Raises :class:`HostMemoryLimitError` (or the
@@ -519,7 +520,7 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
         # operation's first), and waits for each record's own copy: reloading the last saved first
         # lets it start on those while the rest still copy in. When the copies are the bound, only
         # the first tensors of a layer's backward wait for them, not the whole layer.
-        records = sorted(self._records[layer], key=_last_saved, reverse=True)
+        records = sorted(self._records[layer], key=operator.attrgetter("last_saved"), reverse=True)
         try:
             self._reload(records)
         except BaseException:
@@ -599,7 +600,6 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
             known.last_saved = self._saves
             return known
         rec = _StorageRecord(self, layer, t, not_from_autograd, self.streams.current(), self.capturing())
-        rec.last_saved = self._saves
         self.stats[layer].candidate_bytes += rec.nbytes
         self._records[layer].append(rec)
         self._by_storage[layer][storage.data_ptr()] = rec
@@ -640,10 +640,6 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
                     self.resident_bytes -= rec.nbytes
                 rec.free(self.capturing())
 
-
-
-def _last_saved(rec: _StorageRecord) -> int:
-    return rec.last_saved
 
 
 def _grad_hook(engine_ref: weakref.ref, iteration: int, layer: int, grad: torch.Tensor) -> None:
