@@ -290,7 +290,7 @@ def _busy_ms(spans: Sequence[Span], n: int) -> tuple[list[float], list[float]]:
 
     A release's wait is a span of its own; the wait for a reload is inside the backward that reads
     it, until the layer's last host-to-device copy ends, and is taken out of that backward here.
-    The engine reloads what backward reads first first, so that backward may already compute
+    The engine reloads what backward reads first ahead of the rest, so that backward may already compute
     during part of that window: then more than the wait comes out, and the caller never lets an
     offloaded backward come out shorter than the kept one.
     """
