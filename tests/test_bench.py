@@ -371,3 +371,27 @@ def test_head_to_head_alternates_the_two_forwards(monkeypatch):
     assert h["status"] == "ok" and h["pairs"] == 3 and h["k"] == 1
     assert order == ["te", "engine"] * 4
     assert h["quartiles"][0] <= h["engine_vs_te"] <= h["quartiles"][1]
+
+
+def test_round_robin_takes_turns_and_keeps_each_runs_last_step():
+    """measure_round_robin: every run steps once a round, the order reversed every other round; each
+    run's times line up round by round, and its output and gradients are its own last step's."""
+    from offload_examples.instruments.measure import measure_round_robin, measure_steps, paired_overhead
+
+    calls: list[str] = []
+    runs = {}
+    for name, scale in (("a", 1.0), ("b", 2.0), ("c", 1.0)):
+        torch.manual_seed(0)
+        layers, x = build_linear_stack(2, 8), (scale * torch.randn(2, 8)).requires_grad_()
+        runs[name] = (layers, x, lambda n=name, layers=layers, x=x: calls.append(n) or training_step(layers, x))
+    measured = measure_round_robin(runs, steps=3, warmup=1)
+    assert calls == list("abccbaabccba")
+    assert list(measured) == ["a", "b", "c"] and all(len(m.step_ms) == 3 for m in measured.values())
+    assert measured["a"].peak_bytes is None and measured["a"].activation_peak_bytes is None  # a CPU run
+    assert isinstance(paired_overhead(measured["b"].step_ms, measured["a"].step_ms), float)
+    alone = measure_steps(*runs["a"][:2], steps=1, warmup=0)
+    assert torch.equal(measured["a"].grads["input"], alone.grads["input"])
+    assert torch.equal(measured["a"].grads["input"], measured["c"].grads["input"])  # same weights, same data
+    assert not torch.equal(measured["a"].grads["input"], measured["b"].grads["input"])
+    with pytest.raises(ValueError, match="its own input"):
+        measure_round_robin({"a": runs["a"], "again": runs["a"]})

@@ -129,3 +129,24 @@ def test_no_host_synchronisation_on_the_hot_path(cuda):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert ctx.offloaded_bytes > 0 and ("backward", 0) in ctx.events[-2:]  # both steps ran through
+
+
+def test_gpu_measurements_count_no_output_of_an_earlier_step():
+    """measure_steps, measure_paired and measure_round_robin see the same peak for the same step: no
+    output kept from an earlier step (or from the reference's) counts in a measured step's peak."""
+    from offload_examples.instruments.measure import measure_paired, measure_round_robin, training_step
+
+    layers = build_linear_stack(4, 1024, device="cuda")
+    x = torch.randn(4096, 1024, device="cuda", requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=2, model_layers=4, device="cuda")
+    step = lambda: training_step(layers, x, ctx, sync)  # noqa: E731
+    alone = measure_steps(layers, x, ctx, sync, steps=3, warmup=2)
+    paired, _ = measure_paired(layers, x, lambda: training_step(layers, x), step, steps=3, warmup=2)
+    turns = measure_round_robin({"plain": (layers, x2, lambda: training_step(layers, x2)), "offloaded": (layers, x, step)},
+                                steps=3, warmup=2)["offloaded"]
+    out_bytes = x.numel() * x.element_size()  # one output: what a kept one would add
+    assert abs(paired.peak_bytes - alone.peak_bytes) < out_bytes // 4, (paired.peak_bytes, alone.peak_bytes)
+    # taking turns, the other run's input gradient is allocated too: only what the step adds compares
+    for m in (paired, turns):
+        assert abs(m.activation_peak_bytes - alone.activation_peak_bytes) < out_bytes // 4

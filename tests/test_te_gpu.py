@@ -125,3 +125,17 @@ def test_gpu_te_offload_path_gives_the_default_paths_bits(te, cuda, recipe):
     default = recipe_steps(te, cuda, recipe, x, offload_path=False)
     check = compare_grads(default, recipe_steps(te, cuda, recipe, x))
     assert check.equal, check
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "DelayedScaling"])
+def test_gpu_compare_with_te_takes_turns_and_keeps_every_bit(te, cuda, recipe):
+    """Notebook 02's comparison: five runs taking turns, each on its own model; the model is
+    deterministic here, both offloads change no bit and both free memory."""
+    from offload_examples.instruments.te_compare import compare_with_te
+
+    row = compare_with_te(TeModel(layers=4, seq=512, batch=2), k=2, recipe=recipe, steps=3)
+    assert row["deterministic"]
+    assert row["no offload"]["overhead"] == 0 and row["no offload"]["saving_bytes"] == 0
+    for name in ("this engine", "Transformer Engine"):
+        assert row[name]["bitwise_equal"], name
+        assert row[name]["saving_bytes"] > 0, (name, row[name])

@@ -11,13 +11,14 @@ import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
 
 __all__ = [
-    "GradCheck", "Measurement", "compare_grads", "deterministic_kernels", "measure_paired", "measure_steps",
+    "GradCheck", "Measurement", "compare_grads", "deterministic_kernels", "measure_paired", "measure_round_robin",
+    "measure_steps",
     "memory_by_phase", "paired_overhead", "resident_vs_theory", "snapshot", "StepReport",
     "training_step",
 ]
@@ -171,8 +172,10 @@ def measure_steps(
     times: list[float] = []
     peak = baseline = None
     report = StepReport(progress, label, warmup, steps)
+    out = None
     for i in range(warmup + steps):
         _zero_grads(model, x)
+        out = None  # the last step's output would count in this step's peak
         measured = i >= warmup
         if cuda and i == warmup:
             torch.cuda.synchronize()
@@ -215,9 +218,12 @@ def measure_paired(
     times: list[float] = []
     reference_ms: list[float] = []
     peak = baseline = None
+    out = None
     for i in range(warmup + steps):
         _zero_grads(model, x)
+        out = None  # outputs kept from earlier steps would count in this step's peak
         ref_ms, _ = _timed(reference, cuda)
+        del _
         _zero_grads(model, x)
         if cuda:
             torch.cuda.synchronize()
@@ -230,6 +236,56 @@ def measure_paired(
             if cuda:
                 peak = max(peak or 0, torch.cuda.max_memory_allocated())
     return _finish(label, model, x, times, peak, baseline, out), reference_ms
+
+
+#: One run of :func:`measure_round_robin`: its layers, its input, and a callable that zeroes nothing and runs
+#: one training step (forward and backward), returning the output.
+Run = tuple[nn.Module, torch.Tensor, Callable[[], torch.Tensor]]
+
+
+def measure_round_robin(runs: Mapping[str, Run], *, steps: int = 10, warmup: int = 2) -> dict[str, Measurement]:
+    """Take turns step by step between several runs; one :class:`Measurement` per run.
+
+    Each round runs every step once, in the order of ``runs`` and reversed every other round, so that
+    drift and whatever a step leaves to the next (clocks, caches, the host's speed) fall on every run
+    alike. The runs' ``step_ms`` line up round by round: ``paired_overhead(a.step_ms, b.step_ms)``
+    compares two runs within rounds, as :func:`measure_paired` does for two. ``warmup`` rounds come first.
+
+    The steps' memory is measured from a reset right before each of them, since the other runs' gradients
+    come and go between them: ``activation_peak_bytes`` is the most one step added on top of what was
+    allocated before it (its ``peak_bytes`` and ``baseline_bytes`` are that step's). Each run gets its own
+    model and input (the gradients of ``x`` are cleared before its steps and copied after its last one).
+    """
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
+    if len({id(x) for _, x, _ in runs.values()}) != len(runs):
+        raise ValueError("each run needs its own input tensor: the gradients of a shared one would be mixed")
+    names = list(runs)
+    cuda = next(iter(runs.values()))[1].is_cuda
+    times: dict[str, list[float]] = {name: [] for name in names}
+    peaks: dict[str, tuple[int, int] | None] = dict.fromkeys(names)  # the step that added most: (peak, baseline)
+    out: dict[str, Measurement] = {}
+    for r in range(warmup + steps):
+        for name in names if r % 2 == 0 else reversed(names):
+            model, x, step = runs[name]
+            _zero_grads(model, x)
+            result = None  # the last step's output would count in this step's peak
+            if cuda:
+                torch.cuda.synchronize()
+                baseline = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+            ms, result = _timed(step, cuda)
+            if r < warmup:
+                continue
+            times[name].append(ms)
+            if cuda:
+                peak = torch.cuda.max_memory_allocated()
+                if peaks[name] is None or peak - baseline > peaks[name][0] - peaks[name][1]:
+                    peaks[name] = (peak, baseline)
+            if r == warmup + steps - 1:  # its last step: keep its output and gradients before another run's
+                peak, baseline = peaks[name] or (None, None)
+                out[name] = _finish(name, model, x, times[name], peak, baseline, result)
+    return {name: out[name] for name in names}
 
 
 def paired_overhead(times: list[float], reference_ms: list[float]) -> float:

@@ -5,14 +5,19 @@ The model has the shape of Transformer Engine's CPU-offloading tutorial: every l
 ways under one precision recipe (bf16, or FP8 autocast with one of TE's scaling recipes):
 without offloading, with this package's ``get_cpu_offload_context`` and with TE's, and reports
 each one's peak-memory saving, step time, and whether its output and gradients equal the run
-without offloading bit for bit. A fresh model is built for every run, so FP8 scaling state
-starts anew each time. It needs CUDA and Transformer Engine.
+without offloading bit for bit. Every run has a model of its own, built the same way, so FP8
+scaling state is never shared, and the runs take turns step by step
+(:func:`~offload_examples.instruments.measure.measure_round_robin`): on these small, launch-bound
+layers a step's time drifts with the host's speed by more than the offloads differ, and
+separate runs of a few steps each compared that drift rather than the offloads. It needs CUDA and
+Transformer Engine.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -20,7 +25,7 @@ from torch import nn
 
 from offload_examples.core import te_path
 from offload_examples.core.api import get_cpu_offload_context
-from offload_examples.instruments.measure import Measurement, compare_grads, measure_steps
+from offload_examples.instruments.measure import compare_grads, measure_round_robin, paired_overhead, training_step
 from offload_examples.instruments.models import import_transformer_engine
 
 __all__ = ["RECIPES", "TeModel", "compare_with_te", "fp8_autocast", "te_tutorial_model"]
@@ -56,8 +61,12 @@ def te_tutorial_model(size: TeModel, device: torch.device | str = "cuda", seed: 
     return layers.to(device=device, dtype=torch.bfloat16)
 
 
-def fp8_autocast(recipe: str) -> contextlib.AbstractContextManager:
-    """TE's FP8 autocast with the named scaling recipe, or no autocast for ``"bf16"``."""
+def fp8_autocast(recipe: str, fp8_recipe: Any = None) -> contextlib.AbstractContextManager:
+    """TE's FP8 autocast with the named scaling recipe, or no autocast for ``"bf16"``.
+
+    ``fp8_recipe`` is the recipe object to use (one of that recipe's class), made anew when ``None``:
+    steps of one model pass the same object, since TE keeps scaling state per recipe object.
+    """
     if recipe == "bf16":
         return contextlib.nullcontext()
     if recipe not in RECIPES:
@@ -65,28 +74,28 @@ def fp8_autocast(recipe: str) -> contextlib.AbstractContextManager:
     import transformer_engine.pytorch as te
     from transformer_engine.common import recipe as recipes
 
-    fp8_recipe = getattr(recipes, recipe)()
+    fp8_recipe = fp8_recipe if fp8_recipe is not None else getattr(recipes, recipe)()
     if hasattr(te, "autocast"):  # TE 2.x; fp8_autocast is its deprecated spelling
         return te.autocast(enabled=True, recipe=fp8_recipe)
     return te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe)
 
 
-def _run(size: TeModel, x: torch.Tensor, recipe: str, offload: Callable[[int], Any] | None, steps: int,
-         offload_path: bool = True) -> Measurement:
-    model = te_tutorial_model(size, x.device)
-    ctx, sync = offload(size.layers) if offload else (None, None)
-    with fp8_autocast(recipe), te_path.offload_path(offload_path):
-        return measure_steps(model, x, ctx, sync, steps=steps, warmup=2)
+def _te_step(model: nn.ModuleList, x: torch.Tensor, ctx: Any, sync: Any, recipe: str, fp8_recipe: Any,
+             on_path: bool) -> torch.Tensor:
+    """One training step under ``recipe``, on TE's offload path (``on_path``) or its default one."""
+    with fp8_autocast(recipe, fp8_recipe), te_path.offload_path(on_path):
+        return training_step(model, x, ctx, sync)
 
 
-def compare_with_te(size: TeModel, k: int, recipe: str = "bf16", steps: int = 5) -> dict[str, Any]:
+def compare_with_te(size: TeModel, k: int, recipe: str = "bf16", steps: int = 10) -> dict[str, Any]:
     """Train without offloading, with this engine and with TE's offloading of the first ``k`` layers.
 
-    Returns a row per run: ``saving_bytes`` (peak allocated memory without offloading minus with),
-    ``step_ms`` (median of ``steps``), ``overhead`` (step time over the run without offloading, less
-    one) and ``bitwise_equal`` (output and every gradient equal to the run without offloading). A
-    second run without offloading first checks that the model is deterministic here, so a
-    difference can only come from the offloading.
+    Returns a row per run: ``saving_bytes`` (the most a step added to memory without offloading, minus
+    the same with it), ``step_ms`` (median of ``steps``), ``overhead`` (against the run without
+    offloading: the median over rounds of the ratio, less one) and ``bitwise_equal`` (output and every
+    gradient equal to the run without offloading). A second run without offloading checks that the
+    model is deterministic here (``"deterministic"``), so a difference can only come from the offloading.
+    The runs take turns step by step, after two warm-up rounds.
 
     Inside either offload TE's layers take their offload path (:mod:`offload_examples.core.te_path`),
     so the runs without offloading take it too; the row ``"no offload, TE's default path"`` is the
@@ -96,24 +105,38 @@ def compare_with_te(size: TeModel, k: int, recipe: str = "bf16", steps: int = 5)
         raise RuntimeError("compare_with_te needs CUDA (and Transformer Engine)")
     import_transformer_engine()
     import transformer_engine.pytorch as te
+    from transformer_engine.common import recipe as recipes
 
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
     gen = torch.Generator(device="cpu").manual_seed(1)
-    x = torch.randn(size.batch, size.seq, size.hidden, generator=gen, dtype=torch.bfloat16).cuda().requires_grad_()
-    ours = lambda n: get_cpu_offload_context(enabled=True, num_layers=k, model_layers=n,  # noqa: E731
-                                             retain_pinned_cpu_buffers=True)
-    theirs = lambda n: te.get_cpu_offload_context(True, k, n, True, False)  # noqa: E731
-    base = _run(size, x, recipe, None, steps)
-    again = _run(size, x, recipe, None, steps)
-    rows = {"no offload": base, "no offload, TE's default path": _run(size, x, recipe, None, steps, False)}
-    rows["this engine"] = _run(size, x, recipe, ours, steps)
-    rows["Transformer Engine"] = _run(size, x, recipe, theirs, steps)
+    x = torch.randn(size.batch, size.seq, size.hidden, generator=gen, dtype=torch.bfloat16).cuda()
+    offloads: dict[str, Callable[[int], Any] | None] = {
+        "no offload": None,
+        "no offload, again": None,
+        "no offload, TE's default path": None,
+        "this engine": lambda n: get_cpu_offload_context(enabled=True, num_layers=k, model_layers=n,
+                                                         retain_pinned_cpu_buffers=True),
+        "Transformer Engine": lambda n: te.get_cpu_offload_context(True, k, n, True, False),
+    }
+    runs = {}
+    for name, offload in offloads.items():
+        model = te_tutorial_model(size, x.device)
+        ctx, sync = offload(size.layers) if offload else (None, None)
+        own_x = x.clone().requires_grad_()
+        fp8_recipe = None if recipe == "bf16" else getattr(recipes, recipe)()  # one per model, kept across its steps
+        on_path = name != "no offload, TE's default path"
+        runs[name] = (model, own_x, partial(_te_step, model, own_x, ctx, sync, recipe, fp8_recipe, on_path))
+    measured = measure_round_robin(runs, steps=steps)
+    base = measured.pop("no offload")
+    again = measured.pop("no offload, again")
     out: dict[str, Any] = {"recipe": recipe, "k": k, "deterministic": compare_grads(base, again).equal}
-    for name, m in rows.items():
+    for name, m in {"no offload": base, **measured}.items():
         out[name] = {
             "peak_bytes": m.peak_bytes,
-            "saving_bytes": base.peak_bytes - m.peak_bytes,
+            "saving_bytes": base.activation_peak_bytes - m.activation_peak_bytes,
             "step_ms": m.median_ms,
-            "overhead": m.median_ms / base.median_ms - 1,
+            "overhead": paired_overhead(m.step_ms, base.step_ms),
             "bitwise_equal": compare_grads(base, m).equal,
         }
     return out
