@@ -448,3 +448,12 @@ def test_a_hung_rank_is_stopped_and_reported_not_waited_for():
     with pytest.raises(TimeoutError, match="did not finish within 3 s"):
         spawn_ranks(_sleep_forever, (), nprocs=2, timeout_s=3)
     assert not multiprocessing.active_children()
+
+
+def test_the_ratio_cell_says_why_it_has_no_ratio():
+    """No peak without CUDA; no theory to divide by when the plan offloads nothing (it only recomputes)."""
+    from offload_examples.scenarios.fsdp import _ratio_cell
+
+    assert _ratio_cell({"saving_ratio": 0.987, "saving_bytes": 10}) == "98.7%"
+    assert _ratio_cell({"saving_ratio": None, "saving_bytes": None}) == "n/a (no CUDA)"
+    assert _ratio_cell({"saving_ratio": None, "saving_bytes": 7 * 2**30}) == "n/a (nothing offloaded)"

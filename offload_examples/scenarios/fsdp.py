@@ -663,6 +663,13 @@ def _ms(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1f} ms"
 
 
+def _ratio_cell(rank: dict[str, Any]) -> str:
+    """Measured saving over theory, or why there is none: no peak without CUDA, no theory when nothing is offloaded."""
+    if rank["saving_ratio"] is not None:
+        return f"{rank['saving_ratio']:.1%}"
+    return "n/a (no CUDA)" if rank["saving_bytes"] is None else "n/a (nothing offloaded)"
+
+
 def format_report(report: dict[str, Any]) -> str:
     """A memory table, a time-and-correctness table, and on CUDA what rank 0's streams ran."""
     c = report["config"]
@@ -678,7 +685,7 @@ def format_report(report: dict[str, Any]) -> str:
     memory = format_table(
         [(r["rank"], format_bytes(r["peak_without_bytes"]), format_bytes(r["peak_with_bytes"]),
           format_bytes(r["saving_bytes"]), format_bytes(r["theoretical_saving_bytes"]),
-          "n/a (no CUDA)" if r["saving_ratio"] is None else f"{r['saving_ratio']:.1%}",
+          _ratio_cell(r),
           format_bytes(r["offloaded_bytes"]), format_bytes(r["host_pinned_bytes"]),
           format_bytes(r["host_param_bytes"])) for r in ranks],
         header=("rank", "peak without", "peak with", "saving", "theory", "measured / theory", "to host per step",
