@@ -88,6 +88,9 @@ stored_sources = {
     "order13": "docs/runs/2026-11-24-h100-session13/diag23.json#results",
     "te-bench13": "docs/runs/2026-11-24-h100-session13/bench_A20/bench.json#models[A]",
     "gpu-session13": "docs/runs/2026-11-24-h100-session13/README.md",
+    # k = 2 on model A: where the forward still differs from TE's offload; the copies alone (diag25)
+    "copies14": "docs/runs/2026-11-24-h100-session14/diag25.json#summary",
+    "layers14": "docs/runs/2026-11-24-h100-session14/diag25_layers.json",
 }
 
 extensions = [
