@@ -91,6 +91,8 @@ stored_sources = {
     # k = 2 on model A: where the forward still differs from TE's offload; the copies alone (diag25)
     "copies14": "docs/runs/2026-11-24-h100-session14/diag25.json#summary",
     "layers14": "docs/runs/2026-11-24-h100-session14/diag25_layers.json",
+    # notebook 02's comparison model (TE's tutorial shape, 8 layers), a model per variant, in turns (diag27)
+    "tutorial14": "docs/runs/2026-11-24-h100-session14/diag27.json#summary",
 }
 
 extensions = [
