@@ -172,7 +172,6 @@ def measure_steps(
     times: list[float] = []
     peak = baseline = None
     report = StepReport(progress, label, warmup, steps)
-    out = None
     for i in range(warmup + steps):
         _zero_grads(model, x)
         out = None  # the last step's output would count in this step's peak
@@ -218,7 +217,6 @@ def measure_paired(
     times: list[float] = []
     reference_ms: list[float] = []
     peak = baseline = None
-    out = None
     for i in range(warmup + steps):
         _zero_grads(model, x)
         out = None  # outputs kept from earlier steps would count in this step's peak
@@ -238,8 +236,8 @@ def measure_paired(
     return _finish(label, model, x, times, peak, baseline, out), reference_ms
 
 
-#: One run of :func:`measure_round_robin`: its layers, its input, and a callable that zeroes nothing and runs
-#: one training step (forward and backward), returning the output.
+#: One run of :func:`measure_round_robin`: its layers, its input, and a callable that runs one training step
+#: (forward and backward) and returns the output; the gradients are cleared before it is called.
 Run = tuple[nn.Module, torch.Tensor, Callable[[], torch.Tensor]]
 
 
