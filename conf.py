@@ -93,6 +93,8 @@ stored_sources = {
     "layers14": "docs/runs/2026-11-24-h100-session14/diag25_layers.json",
     # notebook 02's comparison model (TE's tutorial shape, 8 layers), a model per variant, in turns (diag27)
     "tutorial14": "docs/runs/2026-11-24-h100-session14/diag27.json#summary",
+    # Python's garbage collector in a training process with TE layers (diag28)
+    "gc14": "docs/runs/2026-11-24-h100-session14/diag28.json",
 }
 
 extensions = [
