@@ -374,9 +374,10 @@ def test_head_to_head_alternates_the_two_forwards(monkeypatch):
 
 
 def test_round_robin_takes_turns_and_keeps_each_runs_last_step():
-    """measure_round_robin: every run steps once a round, the order reversed every other round; each
+    """measure_round_robin: every run steps once a round, in the balanced orders taken in turn; each
     run's times line up round by round, and its output and gradients are its own last step's."""
-    from offload_examples.instruments.measure import measure_round_robin, measure_steps, paired_overhead
+    from offload_examples.instruments.measure import (balanced_orders, measure_round_robin, measure_steps,
+                                                      paired_overhead)
 
     calls: list[str] = []
     runs = {}
@@ -385,13 +386,36 @@ def test_round_robin_takes_turns_and_keeps_each_runs_last_step():
         layers, x = build_linear_stack(2, 8), (scale * torch.randn(2, 8)).requires_grad_()
         runs[name] = (layers, x, lambda n=name, layers=layers, x=x: calls.append(n) or training_step(layers, x))
     measured = measure_round_robin(runs, steps=3, warmup=1)
-    assert calls == list("abccbaabccba")
+    orders = balanced_orders(3)
+    assert calls == ["abc"[i] for r in (-1, 0, 1, 2) for i in orders[r % len(orders)]]
     assert list(measured) == ["a", "b", "c"] and all(len(m.step_ms) == 3 for m in measured.values())
     assert measured["a"].peak_bytes is None and measured["a"].activation_peak_bytes is None  # a CPU run
     assert isinstance(paired_overhead(measured["b"].step_ms, measured["a"].step_ms), float)
     alone = measure_steps(*runs["a"][:2], steps=1, warmup=0)
-    assert torch.equal(measured["a"].grads["input"], alone.grads["input"])
-    assert torch.equal(measured["a"].grads["input"], measured["c"].grads["input"])  # same weights, same data
-    assert not torch.equal(measured["a"].grads["input"], measured["b"].grads["input"])
-    with pytest.raises(ValueError, match="its own input"):
-        measure_round_robin({"a": runs["a"], "again": runs["a"]})
+    for key in ("output", "input"):
+        mine = (lambda m: m.output if key == "output" else m.grads["input"])
+        assert torch.equal(mine(measured["a"]), mine(alone)), key
+        assert torch.equal(mine(measured["a"]), mine(measured["c"])), key  # same weights, same data
+        assert not torch.equal(mine(measured["a"]), mine(measured["b"])), key
+    # runs may share a model and an input: each keeps its own step's results
+    layers, x = runs["a"][:2]
+    shared = measure_round_robin({"one": (layers, x, lambda: training_step(layers, x)),
+                                  "twice": (layers, x, lambda: training_step(layers, 2 * x))}, steps=2, warmup=0)
+    assert torch.equal(shared["one"].grads["input"], alone.grads["input"])
+    assert torch.equal(shared["one"].output, alone.output) and not torch.equal(shared["twice"].output, alone.output)
+    with pytest.raises(ValueError, match="at least one run"):
+        measure_round_robin({})
+
+
+def test_balanced_orders_let_every_run_follow_every_other_equally_often():
+    from collections import Counter
+
+    from offload_examples.instruments.measure import balanced_orders
+
+    for n in range(1, 8):
+        rows = balanced_orders(n)
+        assert len(rows) == (n if n % 2 == 0 else 2 * n) and all(sorted(r) == list(range(n)) for r in rows)
+        follows = Counter((r[i], r[i + 1]) for r in rows for i in range(n - 1))
+        assert len(follows) == n * (n - 1) and len(set(follows.values())) <= 1, (n, follows)
+        places = Counter((v, i) for r in rows for i, v in enumerate(r))
+        assert len(set(places.values())) == 1, (n, places)

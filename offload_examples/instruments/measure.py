@@ -17,9 +17,8 @@ import torch
 from torch import nn
 
 __all__ = [
-    "GradCheck", "Measurement", "compare_grads", "deterministic_kernels", "measure_paired", "measure_round_robin",
-    "measure_steps",
-    "memory_by_phase", "paired_overhead", "resident_vs_theory", "snapshot", "StepReport",
+    "GradCheck", "Measurement", "balanced_orders", "compare_grads", "deterministic_kernels", "measure_paired",
+    "measure_round_robin", "measure_steps", "memory_by_phase", "paired_overhead", "resident_vs_theory", "snapshot", "StepReport",
     "training_step",
 ]
 
@@ -241,30 +240,52 @@ def measure_paired(
 Run = tuple[nn.Module, torch.Tensor, Callable[[], torch.Tensor]]
 
 
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of ``n`` runs in which each run comes right after every other run equally often (Williams).
+
+    Taking the rows in turn, every run holds every position, and follows every other run, as often as
+    any other: what a step leaves to the next (caches, clocks, the allocator's state) then falls on all
+    runs alike. ``n`` rows for an even ``n``, ``2 n`` for an odd one.
+    """
+    base, low, high = [0], 1, n - 1
+    while len(base) < n:  # 0, 1, n-1, 2, n-2, ...
+        base.append(low)
+        low += 1
+        if len(base) < n:
+            base.append(high)
+            high -= 1
+    rows = [[(b + i) % n for b in base] for i in range(n)]
+    return rows if n % 2 == 0 else rows + [row[::-1] for row in rows]
+
+
 def measure_round_robin(runs: Mapping[str, Run], *, steps: int = 10, warmup: int = 2) -> dict[str, Measurement]:
     """Take turns step by step between several runs; one :class:`Measurement` per run.
 
-    Each round runs every step once, in the order of ``runs`` and reversed every other round, so that
-    drift and whatever a step leaves to the next (clocks, caches, the host's speed) fall on every run
-    alike. The runs' ``step_ms`` line up round by round: ``paired_overhead(a.step_ms, b.step_ms)``
-    compares two runs within rounds, as :func:`measure_paired` does for two. ``warmup`` rounds come first.
+    Each round runs every step once. The measured rounds take their orders from
+    :func:`balanced_orders` in turn, so that drift and whatever a step leaves to the next (clocks,
+    caches, the host's speed) fall on every run alike once ``steps`` is a multiple of their number
+    (``len(runs)`` rounds for an even number of runs, twice that for an odd one). The runs' ``step_ms``
+    line up round by round: ``paired_overhead(a.step_ms, b.step_ms)`` compares two runs within rounds, as
+    :func:`measure_paired` does for two. ``warmup`` rounds come first.
 
-    The steps' memory is measured from a reset right before each of them, since the other runs' gradients
-    come and go between them: ``activation_peak_bytes`` is the most one step added on top of what was
-    allocated before it (its ``peak_bytes`` and ``baseline_bytes`` are that step's). Each run gets its own
-    model and input (the gradients of ``x`` are cleared before its steps and copied after its last one).
+    The steps' memory is measured from a reset right before each of them, since the other runs' outputs and
+    gradients come and go between them: ``activation_peak_bytes`` is the most one step added on top of what
+    was allocated before it (its ``peak_bytes`` and ``baseline_bytes`` are that step's). Runs may share a
+    model or an input: gradients are cleared before every step, and each run's output and gradients are
+    copied right after its last step.
     """
     if steps < 1 or warmup < 0:
         raise ValueError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
-    if len({id(x) for _, x, _ in runs.values()}) != len(runs):
-        raise ValueError("each run needs its own input tensor: the gradients of a shared one would be mixed")
+    if not runs:
+        raise ValueError("measure_round_robin needs at least one run")
     names = list(runs)
-    cuda = next(iter(runs.values()))[1].is_cuda
+    orders = balanced_orders(len(names))
+    cuda = runs[names[0]][1].is_cuda
     times: dict[str, list[float]] = {name: [] for name in names}
     peaks: dict[str, tuple[int, int] | None] = dict.fromkeys(names)  # the step that added most: (peak, baseline)
     out: dict[str, Measurement] = {}
     for r in range(warmup + steps):
-        for name in names if r % 2 == 0 else reversed(names):
+        for name in (names[i] for i in orders[(r - warmup) % len(orders)]):
             model, x, step = runs[name]
             _zero_grads(model, x)
             result = None  # the last step's output would count in this step's peak

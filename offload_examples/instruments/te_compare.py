@@ -5,8 +5,9 @@ The model has the shape of Transformer Engine's CPU-offloading tutorial: every l
 ways under one precision recipe (bf16, or FP8 autocast with one of TE's scaling recipes):
 without offloading, with this package's ``get_cpu_offload_context`` and with TE's, and reports
 each one's peak-memory saving, step time, and whether its output and gradients equal the run
-without offloading bit for bit. Every run has a model of its own, built the same way, so FP8
-scaling state is never shared, and the runs take turns step by step
+without offloading bit for bit. Every run has a model of its own, built the same way (TE's FP8
+scaling bookkeeping is global, keyed by the recipe's settings, so runs of one recipe still share
+it), and the runs take turns step by step
 (:func:`~offload_examples.instruments.measure.measure_round_robin`): on these small, launch-bound
 layers a step's time drifts with the host's speed by more than the offloads differ, and
 separate runs of a few steps each compared that drift rather than the offloads. It needs CUDA and
@@ -65,7 +66,7 @@ def fp8_autocast(recipe: str, fp8_recipe: Any = None) -> contextlib.AbstractCont
     """TE's FP8 autocast with the named scaling recipe, or no autocast for ``"bf16"``.
 
     ``fp8_recipe`` is the recipe object to use (one of that recipe's class), made anew when ``None``:
-    steps of one model pass the same object, since TE keeps scaling state per recipe object.
+    a caller running many steps can make it once.
     """
     if recipe == "bf16":
         return contextlib.nullcontext()
@@ -90,12 +91,14 @@ def _te_step(model: nn.ModuleList, x: torch.Tensor, ctx: Any, sync: Any, recipe:
 def compare_with_te(size: TeModel, k: int, recipe: str = "bf16", steps: int = 10) -> dict[str, Any]:
     """Train without offloading, with this engine and with TE's offloading of the first ``k`` layers.
 
-    Returns a row per run: ``saving_bytes`` (the most a step added to memory without offloading, minus
-    the same with it), ``step_ms`` (median of ``steps``), ``overhead`` (against the run without
-    offloading: the median over rounds of the ratio, less one) and ``bitwise_equal`` (output and every
+    Returns a row per run: ``activation_peak_bytes`` (the most one step added to memory),
+    ``saving_bytes`` (that of the run without offloading minus this run's), ``step_ms`` (median of
+    ``steps``), ``overhead`` (against the run without offloading: the median over rounds of the ratio,
+    less one) and ``bitwise_equal`` (output and every
     gradient equal to the run without offloading). A second run without offloading checks that the
     model is deterministic here (``"deterministic"``), so a difference can only come from the offloading.
-    The runs take turns step by step, after two warm-up rounds.
+    The runs take turns step by step, after two warm-up rounds; with the default ``steps`` every run
+    comes right after every other one equally often.
 
     Inside either offload TE's layers take their offload path (:mod:`offload_examples.core.te_path`),
     so the runs without offloading take it too; the row ``"no offload, TE's default path"`` is the
@@ -124,7 +127,7 @@ def compare_with_te(size: TeModel, k: int, recipe: str = "bf16", steps: int = 10
         model = te_tutorial_model(size, x.device)
         ctx, sync = offload(size.layers) if offload else (None, None)
         own_x = x.clone().requires_grad_()
-        fp8_recipe = None if recipe == "bf16" else getattr(recipes, recipe)()  # one per model, kept across its steps
+        fp8_recipe = None if recipe == "bf16" else getattr(recipes, recipe)()  # made once, not every step
         on_path = name != "no offload, TE's default path"
         runs[name] = (model, own_x, partial(_te_step, model, own_x, ctx, sync, recipe, fp8_recipe, on_path))
     measured = measure_round_robin(runs, steps=steps)
@@ -133,7 +136,8 @@ def compare_with_te(size: TeModel, k: int, recipe: str = "bf16", steps: int = 10
     out: dict[str, Any] = {"recipe": recipe, "k": k, "deterministic": compare_grads(base, again).equal}
     for name, m in {"no offload": base, **measured}.items():
         out[name] = {
-            "peak_bytes": m.peak_bytes,
+            # what one step added to memory (the other runs' models and gradients are allocated too)
+            "activation_peak_bytes": m.activation_peak_bytes,
             "saving_bytes": base.activation_peak_bytes - m.activation_peak_bytes,
             "step_ms": m.median_ms,
             "overhead": paired_overhead(m.step_ms, base.step_ms),
