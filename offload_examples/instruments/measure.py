@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 __all__ = [
-    "GradCheck", "Measurement", "balanced_orders", "compare_grads", "deterministic_kernels", "measure_paired",
-    "measure_round_robin", "measure_steps", "memory_by_phase", "paired_overhead", "resident_vs_theory", "snapshot", "StepReport",
-    "training_step",
+    "GradCheck", "Measurement", "StepReport", "balanced_orders", "compare_grads", "deterministic_kernels",
+    "measure_paired", "measure_round_robin", "measure_steps", "memory_by_phase", "paired_overhead",
+    "resident_vs_theory", "snapshot", "training_step",
 ]
 
 Progress = Callable[[str], None]
