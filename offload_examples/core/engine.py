@@ -95,16 +95,15 @@ class _StorageRecord:
                  "original_ref", "witness", "weak", "address", "host", "offloaded", "reloaded", "views", "aborted", "captured",
                  "not_from_autograd", "tried", "last_saved")
 
-    def __init__(self, engine: OffloadEngine, layer: int, t: torch.Tensor, not_from_autograd: bool,
-                 home: torch.cuda.Stream | None, captured: bool):
-        storage = t.untyped_storage()
+    def __init__(self, engine: OffloadEngine, layer: int, t: torch.Tensor, storage: torch.UntypedStorage,
+                 not_from_autograd: bool, home: torch.cuda.Stream | None, captured: bool):
         self.streams, self.pool = engine.streams, engine.pool
         self.layer, self.iteration = layer, engine.iteration
         self.nbytes = nbytes = storage.nbytes()
         #: The stream the tensor was saved on: its backward reads it there, its reload is allocated there.
         self.home = home
         #: Flat uint8 view of the whole storage on the device, or None while it lives on the host.
-        self.device: torch.Tensor | None = t.new_empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
+        self.device: torch.Tensor | None = engine._no_bytes.new_empty(0).set_(storage)
         # Held (detached: same storage and version counter, no grad_fn) until release, so that an
         # in-place change can be detected; then only weakly.
         self.original: torch.Tensor | None = t.detach()
@@ -174,19 +173,33 @@ class _StorageRecord:
             raise capture_mismatch_error(self.layer, self.captured, what)
 
     def check_version(self) -> None:
-        alive = [self.original if self.original is not None else self.witness]
-        alive += [r() for r in self.original_ref]
-        if any(t is not None and t._version != self.version for t in alive):
+        version = self.version
+        held = self.original if self.original is not None else self.witness
+        if held is not None and held._version != version:
             raise in_place_error(self.layer)
+        for ref in self.original_ref:
+            if (t := ref()) is not None and t._version != version:
+                raise in_place_error(self.layer)
 
-    def drop_device(self, capturing: bool, views_left: bool = True) -> None:
+    def drop_device(self, capturing: bool, views_left: bool = True, waited: dict | None = None) -> None:
         """Steps 3 and 6: the home stream waits for the copies that read or wrote the GPU bytes,
-        then they are dropped, so the allocator can reuse them on that stream without a race."""
+        then they are dropped, so the allocator can reuse them on that stream without a race.
+
+        ``waited``: a dict that a caller dropping many records at once passes to each. A layer's
+        records share one copy event per home stream, so the wait (a driver call) is queued once.
+        """
         if self.device is None:
             return
         if self.captured == capturing:
-            Streams.fence(self.home, self.offloaded, self.reloaded)
-            if not capturing and self.reloaded is None and self.offloaded is not None and not self.offloaded.query():
+            key = (id(self.home), id(self.offloaded), id(self.reloaded))  # all alive while the caller loops
+            busy = waited.get(key) if waited is not None else None
+            if busy is None:
+                Streams.fence(self.home, self.offloaded, self.reloaded)
+                busy = (not capturing and self.reloaded is None and self.offloaded is not None
+                        and not self.offloaded.query())
+                if waited is not None:  # a copy seen running may have ended since: marking stays safe
+                    waited[key] = busy
+            if busy:
                 # The copy out still reads the block, which may belong to another stream's pool
                 # than the home's (a tensor made on one stream and saved on another): mark it.
                 self.device.record_stream(self.streams.d2h)
@@ -313,6 +326,9 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
         self._warned: set[str] = set()
         self.iteration = -1
         self._in_layer = False
+        self._offloading = False  # the schedule offloads the layer being entered (read by _pack)
+        # A flat byte tensor on the device without memory: records view storages through copies of it
+        self._no_bytes = torch.empty(0, dtype=torch.uint8, device=device)
         # Entries made under no_grad save nothing and count for nothing: how many are open, per thread
         # (inference threads may share the engine; a real entry inside one of them is nesting)
         self._passthrough = threading.local()
@@ -362,7 +378,8 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
         self._in_layer = True
         self._passthrough.last = False
         _active.engine = self
-        if self.counts.hooked(j, self.schedule.is_offloaded(j), self.stats):
+        self._offloading = self.schedule.is_offloaded(j)
+        if self.counts.hooked(j, self._offloading, self.stats):
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._hooks.__enter__()
         # last, so that a failed entry leaves it off: TE's layers take the path they take under TE's offload
@@ -475,14 +492,14 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
         Returns whether anything was dropped (so the compute stream waited for a copy)."""
         self._move(layer, LayerState.RELEASED, why)
         capturing = self.capturing()
-        dropped = False
+        dropped, waited = False, {}
         for rec in self._records[layer]:
             if rec.device is not None and rec.host is not None:
                 rec.check_capture("released", capturing)
                 rec.check_version()
                 if held_elsewhere(rec.device, ours=self._engine_refs(rec)):  # dropping frees nothing
                     self.stats[layer].held_bytes += rec.nbytes
-                rec.drop_device(capturing)
+                rec.drop_device(capturing, waited=waited)
                 self.resident_bytes -= rec.nbytes
                 dropped = True
         self.events += [("offload_finished", layer), ("release", layer)]
@@ -565,19 +582,23 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
     def _pack(self, t: torch.Tensor) -> _Kept | _SavedView:
         """Autograd's pack hook (step 1): a :class:`~offload_examples.core.policy.KeptTensor` for a tensor the policy keeps (or while
         a layer that is not offloaded is counted), else a :class:`_SavedView` of its storage's record."""
+        # It runs for every tensor a hooked layer saves, on the host's critical path when the forward
+        # is launch bound: what can be looked up once per entry (_offloading) is.
         layer = self._layer
         stats = self.stats[layer]
         stats.saved_tensors += 1
         reason = keep_reason(t, self.device, self.min_offload_bytes)
-        if reason is not None and (type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_nested):
+        not_from_autograd = reason is NOT_FROM_AUTOGRAD
+        if reason is None or not_from_autograd:
+            if (self.selection is not None or self.max_offload_bytes_per_layer is not None) \
+                    and not self._chosen(t, layer):
+                reason, not_from_autograd = OUTSIDE_SELECTION, False
+        elif type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_nested:
             self._warn_once("subclass", f"{reason} is not offloaded")
-        if (reason is None or reason == NOT_FROM_AUTOGRAD) and not self._chosen(t, layer):
-            reason = OUTSIDE_SELECTION
-        not_from_autograd = reason == NOT_FROM_AUTOGRAD
         if reason is not None and not not_from_autograd:
             stats.kept_tensors += 1
             return _Kept(t, layer)
-        if not self.schedule.is_offloaded(layer):
+        if not self._offloading:
             storage = t.untyped_storage()
             if storage.data_ptr() not in self._seen[layer]:  # counted for the theory only
                 self._seen[layer].add(storage.data_ptr())
@@ -592,17 +613,18 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
     def _record_for(self, t: torch.Tensor, layer: int, not_from_autograd: bool) -> _StorageRecord:
         """The record of ``t``'s storage: found, or made (its copy waits for the end of the layer)."""
         storage = t.untyped_storage()
-        known = self._by_storage[layer].get(storage.data_ptr())
+        address = storage.data_ptr()
+        known = self._by_storage[layer].get(address)
         self._saves += 1
         if known is not None and known.device is not None and known.nbytes == storage.nbytes():
             if known.version != t._version:
                 raise in_place_error(layer)
             known.last_saved = self._saves
             return known
-        rec = _StorageRecord(self, layer, t, not_from_autograd, self.streams.current(), self.capturing())
+        rec = _StorageRecord(self, layer, t, storage, not_from_autograd, self.streams.current(), self.capturing())
         self.stats[layer].candidate_bytes += rec.nbytes
         self._records[layer].append(rec)
-        self._by_storage[layer][storage.data_ptr()] = rec
+        self._by_storage[layer][address] = rec
         self._by_impl.setdefault(rec.weak.cdata, []).append(rec)
         return rec
 

@@ -50,58 +50,63 @@ def mark_not_offload(*tensors: torch.Tensor) -> None:
         setattr(t, _KEEP_ATTR, True)
 
 
-def _is_parameter(x: torch.Tensor) -> bool:
-    # a plain tensor is no Parameter; the isinstance check (a Python metaclass hook) is the slow part
-    return type(x) is not torch.Tensor and isinstance(x, torch.nn.Parameter)
+_Parameter = torch.nn.Parameter
+_AccumulateGrad = torch._C._functions.AccumulateGrad  # the node of a leaf; it carries ``.variable``
 
 
 def _plain(x: torch.Tensor) -> bool:
     """A tensor whose sizes and storage can be read: not a subclass, not nested."""
-    return type(x) in (torch.Tensor, torch.nn.Parameter) and not x.is_nested
-
-
-def _is_leaf_weight(x: torch.Tensor) -> bool:
-    return _is_parameter(x) or (x.requires_grad and x.grad_fn is None and x._base is None)
+    return (type(x) is torch.Tensor or type(x) is _Parameter) and not x.is_nested
 
 
 def is_weight_like(t: torch.Tensor) -> bool:
     """Parameters, leaves that require grad, their views, and autocast's casts of them."""
-    if t._base is not None:
-        if not _plain(t._base):  # a view of a nested tensor or a subclass: no weight of ours
+    base = t._base
+    if base is not None:
+        if not _plain(base):  # a view of a nested tensor or a subclass: no weight of ours
             return False
         # A view is judged by its base (a weight, or autocast's cast of one, seen through `.t()`):
         # views made inside a custom Function's forward carry requires_grad without a grad_fn,
         # yet their base is an activation.
-        return is_weight_like(t._base)
-    if _is_leaf_weight(t):
-        return True
+        return is_weight_like(base)
     fn = t.grad_fn
-    if fn is None:
-        return False
-    inputs = [f for f, _ in fn.next_functions if f is not None]
-    # AccumulateGrad nodes carry `.variable`; a nested or subclass leaf has no storage to compare
-    leaves = [v for f in inputs if hasattr(f, "variable") and _plain(v := f.variable)]
-    # An op that hands back its weights' own memory as a new tensor: Transformer Engine's fused QKV
-    # weight, a "no-op cat" of three parameters that sit side by side in one buffer. The parameters
-    # keep that memory; a copy would free nothing, and its reload would duplicate the weight.
-    storage = t.untyped_storage().data_ptr()
-    if any(leaf.untyped_storage().data_ptr() == storage for leaf in leaves):
-        return True
-    # autocast saves `weight.to(bf16)`: one input, a leaf, same shape, another dtype.
-    if len(inputs) != 1 or not leaves:
-        return False
-    return leaves[0].shape == t.shape and leaves[0].dtype != t.dtype
+    if fn is None:  # a leaf: a weight if it is a Parameter or requires grad (the isinstance, a
+        # metaclass hook, is the slow part: a plain tensor is no Parameter)
+        return t.requires_grad or (type(t) is not torch.Tensor and isinstance(t, _Parameter))
+    # One walk over the op's inputs (this runs for every tensor autograd saves). An op that hands
+    # back its weights' own memory as a new tensor: Transformer Engine's fused QKV weight, a "no-op
+    # cat" of three parameters that sit side by side in one buffer. The parameters keep that memory;
+    # a copy would free nothing, and its reload would duplicate the weight. And autocast saves
+    # `weight.to(bf16)`: one input, a leaf, same shape, another dtype.
+    inputs, leaf, storage = 0, None, None
+    for f, _ in fn.next_functions:
+        if f is None:
+            continue
+        inputs += 1
+        if type(f) is not _AccumulateGrad or not _plain(v := f.variable):  # a nested or subclass leaf
+            continue  # has no storage to compare
+        if storage is None:
+            storage = t.untyped_storage().data_ptr()
+        if v.untyped_storage().data_ptr() == storage:
+            return True
+        leaf = leaf if leaf is not None else v
+    return inputs == 1 and leaf is not None and leaf.shape == t.shape and leaf.dtype != t.dtype
 
 
 def keep_reason(t: torch.Tensor, device: torch.device, min_bytes: int) -> str | None:
-    """Why ``t`` stays on the device, :data:`NOT_FROM_AUTOGRAD`, or ``None`` to offload it."""
+    """Why ``t`` stays on the device, :data:`NOT_FROM_AUTOGRAD`, or ``None`` to offload it.
+
+    It runs for every tensor an offloaded layer saves, on the host's critical path: the common
+    cases (a parameter, an activation) are decided with as few calls into torch as the rules allow.
+    """
     if t.device != device:
         return "on another device"
     base = t._base
     if getattr(t, _KEEP_ATTR, False) or (base is not None and getattr(base, _KEEP_ATTR, False)):
         return "marked with mark_not_offload"
-    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
-        return f"tensor subclass {type(t).__name__}"
+    cls = type(t)
+    if cls is not torch.Tensor and cls is not _Parameter and not isinstance(t, _Parameter):
+        return f"tensor subclass {cls.__name__}"
     if t.is_nested:  # before anything reads its sizes, which a nested tensor does not have
         return "a nested tensor"
     if base is not None and not _plain(base):
@@ -113,13 +118,10 @@ def keep_reason(t: torch.Tensor, device: torch.device, min_bytes: int) -> str | 
     nbytes = t.untyped_storage().nbytes()
     if nbytes == 0 or nbytes < min_bytes:
         return "smaller than min_offload_bytes"
-    if _from_autograd(t) or (base is not None and _from_autograd(base)):
+    if t.grad_fn is not None or t.requires_grad or (base is not None and (base.grad_fn is not None
+                                                                          or base.requires_grad)):
         return None
     return NOT_FROM_AUTOGRAD
-
-
-def _from_autograd(x: torch.Tensor) -> bool:
-    return x.grad_fn is not None or x.requires_grad
 
 
 def held_elsewhere(storage_view: torch.Tensor, ours: int) -> bool:
