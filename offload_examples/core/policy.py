@@ -69,10 +69,13 @@ def is_weight_like(t: torch.Tensor) -> bool:
         # views made inside a custom Function's forward carry requires_grad without a grad_fn,
         # yet their base is an activation.
         return is_weight_like(base)
+    # A Parameter, even one written in place (a frozen cache filled from an activation has a grad_fn).
+    # The isinstance, a metaclass hook, is the slow part: a plain tensor is no Parameter.
+    if type(t) is not torch.Tensor and isinstance(t, _Parameter):
+        return True
     fn = t.grad_fn
-    if fn is None:  # a leaf: a weight if it is a Parameter or requires grad (the isinstance, a
-        # metaclass hook, is the slow part: a plain tensor is no Parameter)
-        return t.requires_grad or (type(t) is not torch.Tensor and isinstance(t, _Parameter))
+    if fn is None:  # a leaf: a weight if it requires grad
+        return t.requires_grad
     # One walk over the op's inputs (this runs for every tensor autograd saves). An op that hands
     # back its weights' own memory as a new tensor: Transformer Engine's fused QKV weight, a "no-op
     # cat" of three parameters that sit side by side in one buffer. The parameters keep that memory;
@@ -111,10 +114,10 @@ def keep_reason(t: torch.Tensor, device: torch.device, min_bytes: int) -> str | 
         return "a nested tensor"
     if base is not None and not _plain(base):
         return "a view of a nested tensor or a tensor subclass"
+    if t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():  # first: a sparse
+        return "not a plain strided tensor"  # tensor has no storage for is_weight_like to compare
     if is_weight_like(t):
         return "a parameter, a leaf that requires grad, or a view or cast of one"
-    if t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
-        return "not a plain strided tensor"
     nbytes = t.untyped_storage().nbytes()
     if nbytes == 0 or nbytes < min_bytes:
         return "smaller than min_offload_bytes"
