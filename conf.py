@@ -95,6 +95,9 @@ stored_sources = {
     "tutorial14": "docs/runs/2026-11-24-h100-session14/diag27.json#summary",
     # Python's garbage collector in a training process with TE layers (diag28)
     "gc14": "docs/runs/2026-11-24-h100-session14/diag28.json",
+    # the leaner pack hook against the engine before it and TE's offload, in turns (diag29), and the bench with it
+    "lean15": "docs/runs/2026-11-24-h100-session15/diag29.json",
+    "te-bench15": "docs/runs/2026-11-24-h100-session15/bench_A20/bench.json#models[A]",
 }
 
 extensions = [

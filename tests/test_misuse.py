@@ -399,3 +399,45 @@ def test_a_no_grad_entry_between_a_layer_and_its_sync_keeps_the_layers_hook():
         with torch.no_grad(), ctx:  # what a reentrant checkpoint's forward looks like to the context
             out = student(x)
         sync(out + 0 * x)  # reentrant checkpoint's output: made with grad enabled (it has a grad_fn)
+
+
+def _layer0_stats(layer0):
+    """Run ``layer0`` as the offloaded first of two layers; its stats and gradients against no offloading."""
+    torch.manual_seed(0)
+    x, w = torch.randn(8, 16, requires_grad=True), nn.Parameter(torch.randn(16, 16))
+    ref = layer0(x, w) * 3
+    ref.sum().backward()
+    ref_grads = [x.grad.clone(), w.grad.clone()]
+    x.grad = w.grad = None
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2, device=torch.device("cpu"),
+                                        min_offload_bytes=0)
+    with ctx:
+        h = layer0(x, w)
+    h = sync(h)
+    with ctx:
+        h = h * 3
+    sync(h).sum().backward()
+    assert torch.equal(x.grad, ref_grads[0]) and torch.equal(w.grad, ref_grads[1])
+    return ctx.stats[0]
+
+
+def test_a_parameter_written_in_place_stays_on_the_device():
+    """A frozen Parameter that a module fills from an activation (a cache) gets a grad_fn; the module
+    keeps it, so a copy would free nothing (a review of the faster policy found it offloaded)."""
+    module = nn.Module()  # holds the cache, as a model would
+
+    def layer0(x, w):
+        module.cache = nn.Parameter(torch.zeros(8, 16), requires_grad=False)  # a fresh one each step
+        module.cache.copy_(torch.tanh(x @ w))  # the cache now has a grad_fn (CopyBackwards)
+        return module.cache * x  # saves the cache
+    stats = _layer0_stats(layer0)
+    assert stats.held_bytes == 0, "the parameter was offloaded, but the module still holds it"
+    assert stats.offloaded_bytes == 8 * 16 * 4  # tanh's output only
+
+
+def test_a_sparse_activation_is_kept_without_reading_its_storage():
+    """A sparse tensor has no storage: the policy keeps it before anything asks for one."""
+    stats = _layer0_stats(lambda x, w: torch.sparse.mm(torch.relu(x @ w).to_sparse(), w))
+    assert stats.kept_tensors >= 1 and stats.offloaded_bytes > 0
+    stats = _layer0_stats(lambda x, w: torch.sparse.mm(x.to_sparse(), w))  # made from a leaf: the weight
+    assert stats.offloaded_bytes == 0  # test used to read its storage
