@@ -98,6 +98,7 @@ stored_sources = {
     # the leaner pack hook against the engine before it and TE's offload, in turns (diag29), and the bench with it
     "lean15": "docs/runs/2026-11-24-h100-session15/diag29.json",
     "te-bench15": "docs/runs/2026-11-24-h100-session15/bench_A20/bench.json#models[A]",
+    "gpu-session15": "docs/runs/2026-11-24-h100-session15/README.md",
 }
 
 extensions = [
