@@ -121,10 +121,13 @@ def keep_reason(t: torch.Tensor, device: torch.device, min_bytes: int) -> str | 
     nbytes = t.untyped_storage().nbytes()
     if nbytes == 0 or nbytes < min_bytes:
         return "smaller than min_offload_bytes"
-    if t.grad_fn is not None or t.requires_grad or (base is not None and (base.grad_fn is not None
-                                                                          or base.requires_grad)):
+    if _from_autograd(t) or (base is not None and _from_autograd(base)):
         return None
     return NOT_FROM_AUTOGRAD
+
+
+def _from_autograd(x: torch.Tensor) -> bool:
+    return x.grad_fn is not None or x.requires_grad
 
 
 def held_elsewhere(storage_view: torch.Tensor, ours: int) -> bool:
