@@ -99,7 +99,7 @@ class _StorageRecord:
                  not_from_autograd: bool, home: torch.cuda.Stream | None, captured: bool):
         self.streams, self.pool = engine.streams, engine.pool
         self.layer, self.iteration = layer, engine.iteration
-        self.nbytes = nbytes = storage.nbytes()
+        self.nbytes = storage.nbytes()
         #: The stream the tensor was saved on: its backward reads it there, its reload is allocated there.
         self.home = home
         #: Flat uint8 view of the whole storage on the device, or None while it lives on the host.
