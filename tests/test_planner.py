@@ -50,11 +50,23 @@ def instance(data, exact: bool, max_layers: int = 6):
         ms, nbytes, bw = st.floats(0.0, 10.0), st.integers(0, 10**8), st.floats(0.5, 50.0)
     per_choice = data.draw(st.booleans(), label="times measured per choice")
     optional = st.one_of(st.none(), ms) if per_choice else st.none()
-    costs = [LayerCost(data.draw(ms), data.draw(ms), data.draw(nbytes), data.draw(nbytes),
-                       data.draw(optional), data.draw(optional), data.draw(optional)) for _ in range(n)]
+    sizes_known = data.draw(st.booleans(), label="storage sizes known (byte caps possible)")
+    costs = []
+    for _ in range(n):
+        saved = data.draw(nbytes)
+        costs.append(LayerCost(data.draw(ms), data.draw(ms), saved, data.draw(nbytes), data.draw(optional),
+                               data.draw(optional), data.draw(optional),
+                               split(data, saved, MB if exact else 1) if sizes_known else None))
     link = LinkCost(data.draw(bw), data.draw(bw), data.draw(bw))
     base = data.draw(st.integers(0, 4).map(lambda x: x * MB) if exact else st.integers(0, 10**6), label="base")
     return costs, link, base
+
+
+def split(data, total: int, unit: int) -> tuple[int, ...]:
+    """``total`` bytes as up to four storages of whole ``unit``s (none for 0 bytes)."""
+    cuts = data.draw(st.lists(st.integers(1, max(1, total // unit - 1)), max_size=3), label="storage cuts")
+    points = sorted({c * unit for c in cuts if 0 < c * unit < total})
+    return tuple(b - a for a, b in zip([0, *points], [*points, total])) if total else ()
 
 
 def every_plan(n: int, prefix_only: bool):
@@ -64,8 +76,19 @@ def every_plan(n: int, prefix_only: bool):
             yield ch
 
 
-def brute_force(costs, link, base, prefix_only):
-    return {ch: simulate_plan(ch, costs, link, base) for ch in every_plan(len(costs), prefix_only)}
+def brute_force(costs, link, base, prefix_only, partial=True):
+    """Every plan and its simulation: choices, and caps on the last offloaded layer at the sum of each
+    run of its first storages (the plans the planner searches; a cap between two sums offloads what the
+    lower one does, and only prefixes are tried: a cap that skips a storage to take a later one is not)."""
+    out = {}
+    for ch in every_plan(len(costs), prefix_only):
+        last = max((i for i, c in enumerate(ch) if c is OFFLOAD), default=None)
+        sizes = costs[last].storage_bytes if last is not None and partial else None
+        caps = [None] + [sum(sizes[:i]) for i in range(1, len(sizes))] if sizes else [None]
+        for cap in caps:
+            per_layer = tuple(cap if i == last else None for i in range(len(ch)))
+            out[ch, per_layer] = simulate_plan(ch, costs, link, base, per_layer)
+    return out
 
 
 def draw_budget(data, results):
@@ -83,8 +106,8 @@ def check_against_brute_force(data, exact: bool, prefix_only: bool, max_layers: 
     budget = draw_budget(data, results)
     got = plan(costs, link, budget, base, prefix_only=prefix_only)
     fits = {ch: r for ch, r in results.items() if r[0] <= budget}
-    assert (got.predicted_peak_bytes, got.predicted_step_ms) == simulate_plan(got.choices, costs, link, base)
-    assert got.choices in results  # OFFLOAD only on a prefix when prefix_only
+    assert (got.predicted_peak_bytes, got.predicted_step_ms) == simulate_plan(got.choices, costs, link, base, got.caps)
+    assert got.choices in {ch for ch, _ in results}  # OFFLOAD only on a prefix when prefix_only
     if not fits:
         assert not got.feasible and got.predicted_peak_bytes == min(p for p, _ in results.values())
         return
@@ -136,9 +159,11 @@ def test_search_states_predict_what_the_simulation_does(data):
     its peak from the bytes held) is exactly what :func:`simulate_plan` says."""
     costs, link, _ = instance(data, exact=True)
     for k in range(len(costs)):
-        for alpha, peak, changes, choices in _prefix_front(costs, link, k, math.inf):
-            assert simulate_plan(choices, costs, link) == (peak, alpha)
-            assert choices[:k] == (OFFLOAD,) * k and changes == sum(c is not KEEP for c in choices)
+        for last in (None, *(planner.partial_caps(costs[k - 1]) if k else ())):
+            for alpha, peak, changes, choices, caps in _prefix_front(costs, link, k, math.inf, last):
+                assert simulate_plan(choices, costs, link, caps=caps) == (peak, alpha)
+                assert choices[:k] == (OFFLOAD,) * k and changes == sum(c is not KEEP for c in choices)
+                assert caps == tuple(last if i == k - 1 else None for i in range(len(costs)))
 
 
 def test_recompute_hides_behind_a_reload():
@@ -236,8 +261,9 @@ def test_serialisation_round_trips_and_prints_a_row_per_layer(data):
     got = plan(costs, link, budget, base)
     back = Plan.from_dict(json.loads(json.dumps(got.to_dict())))
     assert back == got and all(isinstance(c, Choice) for c in back.choices)
-    rows = re.findall(r"^\s*(\d+)\s+(keep|offload|recompute)$", str(got), flags=re.MULTILINE)
-    assert rows == [(str(i), c.value) for i, c in enumerate(got.choices)]
+    rows = re.findall(r"^\s*(\d+)\s+(keep|offload|recompute)( up to [0-9.]+ MiB)?$", str(got), flags=re.MULTILINE)
+    assert rows == [(str(i), c.value, "" if cap is None else f" up to {cap / 2**20:.2f} MiB")
+                    for i, (c, cap) in enumerate(zip(got.choices, got.caps))]
 
 
 def test_prefix_and_engine_call():
@@ -332,6 +358,8 @@ def test_measured_costs_match_what_each_layer_saves_and_takes_in():
     probe, sync = get_cpu_offload_context(enabled=True, num_layers=0, model_layers=4, device="cpu")
     training_step(model, x, probe, sync)
     assert [c.saved_bytes for c in costs] == [s.candidate_bytes for s in probe.stats]
+    assert [c.storage_bytes for c in costs] == [tuple(s.candidate_sizes) for s in probe.stats]
+    assert all(len(c.storage_bytes) > 1 for c in costs)  # each saves several storages: caps can split it
     assert all(c.input_bytes == x.numel() * 4 for c in costs)  # every layer maps width 32 to width 32
     assert all(c.forward_ms > 0 and c.backward_ms > 0 for c in costs) and base == 0
     # timed offloaded (one layer of the kind; every layer but the last gets its kind's) and recomputed
@@ -608,3 +636,68 @@ def _check_plan_steps(choices, model, x, reference, applied, steps):
         assert [s.offloaded_bytes > 0 for s in ctx.stats] == [c is OFFLOAD for c in choices]
         assert all(g == w for _, _, g, w in resident_vs_theory(ctx)), choices
         assert ctx.live_views == 0
+
+
+def test_a_byte_cap_tops_up_the_saving_where_a_whole_layer_would_stall():
+    """Three layers; offloading a whole layer stalls the step (its copy outlasts the next forward),
+    recomputing costs 1 ms. A budget that needs only a little saving is met by offloading the first
+    storage of layer 0 alone: the copy hides behind layer 1's forward and nothing is recomputed."""
+    mb = 1_000_000
+    layer = LayerCost(2.0, 2.0, 8 * mb, mb, recompute_ms=1.0, storage_bytes=(2 * mb, 6 * mb))
+    costs, link = [layer] * 3, LinkCost(1.0, 1.0, 1.0)  # 1 GB/s: 2 ms per 2 MB, 8 ms per layer
+    keep_peak, keep_ms = simulate_plan((KEEP,) * 3, costs, link)
+    got = plan(costs, link, keep_peak - 2 * mb)
+    assert got.choices == (OFFLOAD, KEEP, KEEP) and got.caps == (2 * mb, None, None) and got.capped == {0: 2 * mb}
+    assert got.predicted_step_ms == keep_ms and got.predicted_peak_bytes == keep_peak - 2 * mb
+    assert planner.capped_bytes(layer, 2 * mb) == 2 * mb and planner.capped_bytes(layer, 5 * mb) == 2 * mb
+    assert planner.partial_caps(layer) == (2 * mb,)
+    whole = plan(costs, link, keep_peak - 2 * mb, partial=False)  # whole layers only: recompute one
+    assert whole.choices == (RECOMPUTE, KEEP, KEEP) and whole.predicted_step_ms == keep_ms + 1.0
+    assert "offload up to 1.91 MiB 0, keep 1-2" == got.summary()
+    assert Plan.from_dict(json.loads(json.dumps(got.to_dict()))) == got
+
+
+def test_caps_are_refused_where_they_cannot_mean_anything():
+    mb = 1_000_000
+    sized = LayerCost(1.0, 1.0, 3 * mb, mb, storage_bytes=(mb, 2 * mb))
+    with pytest.raises(ValueError, match="add up to"):
+        LayerCost(1.0, 1.0, 3 * mb, mb, storage_bytes=(mb, mb))
+    with pytest.raises(ValueError, match="layer 1 is not offloaded"):
+        Plan((OFFLOAD, KEEP), 0, 0.0, caps=(None, mb))
+    with pytest.raises(ValueError, match="one cap"):
+        Plan((OFFLOAD, KEEP), 0, 0.0, caps=(mb,))
+    with pytest.raises(ValueError, match="storage_bytes"):  # no sizes: no way to tell what a cap offloads
+        simulate_plan((OFFLOAD, KEEP), [LayerCost(1.0, 1.0, 3 * mb, mb)] * 2, LinkCost(1.0, 1.0, 1.0), caps=(mb, None))
+    with pytest.raises(ValueError, match="caps\\[0\\] must be an int"):
+        simulate_plan((OFFLOAD, KEEP), [sized] * 2, LinkCost(1.0, 1.0, 1.0), caps=(0, None))
+    model = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+    from offload_examples.features.planner import apply_plan
+    with pytest.raises(ValueError, match="override"):
+        apply_plan(Plan((OFFLOAD, KEEP), 0, 0.0, caps=(mb, None)), list(model), device="cpu",
+                   max_offload_bytes_per_layer=5)
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.data())
+def test_an_applied_cap_offloads_what_the_model_says(data):
+    """A plan with a cap on its last offloaded layer, run on transformer layers: the engine offloads
+    exactly ``capped_bytes`` of the measured storage sizes there, the other offloaded layers whole,
+    every step bitwise equal to a plain one, resident bytes as the engine's schedule says."""
+    from offload_examples.features.planner import apply_plan, capped_bytes, partial_caps
+    from offload_examples.instruments.measure import snapshot, training_step
+    from offload_examples.instruments.models import build_basic_model
+    from offload_examples.instruments.plan_costs import measure_costs
+
+    model = build_basic_model(4, 16, 2, 32, kind="torch")
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    costs, _ = measure_costs(list(model), x, steps=1, per_choice=False)
+    k = data.draw(st.integers(1, 3), label="offloaded")
+    cap = data.draw(st.sampled_from(partial_caps(costs[k - 1])), label="cap")
+    choices = (OFFLOAD,) * k + (KEEP,) * (4 - k)
+    chosen = Plan(choices, 0, 0.0, caps=tuple(cap if i == k - 1 else None for i in range(4)))
+    reference = snapshot(model, x, training_step(model, x))
+    applied = apply_plan(chosen, list(model), device="cpu", retain_pinned_cpu_buffers=True)
+    _check_plan_steps(choices, model, x, reference, applied, steps=2)
+    ctx = applied[0]
+    assert [s.offloaded_bytes for s in ctx.stats[:k]] == [capped_bytes(c, p) for c, p in zip(costs, chosen.caps[:k])]
+    assert ctx.stats[k - 1].offloaded_bytes == cap < costs[k - 1].saved_bytes

@@ -42,7 +42,7 @@ def get_cpu_offload_context(
     min_offload_bytes: int = 1024,
     host_memory_limit: int | None = None,
     device: torch.device | str | None = None,
-    max_offload_bytes_per_layer: int | None = None,
+    max_offload_bytes_per_layer: int | Mapping[int, int] | None = None,
     early_first_reload: bool = False,
 ) -> tuple[OffloadContext, SyncFunction] | tuple[OffloadContext, SyncFunction, OffloadSynchronizer | None]:
     """Build an offload context and its sync function.
@@ -101,9 +101,10 @@ def get_cpu_offload_context(
     device : torch.device, str or None, default None
         Keyword-only. The compute device; the current CUDA device when CUDA is available, else
         the CPU.
-    max_offload_bytes_per_layer : int or None, default None
+    max_offload_bytes_per_layer : int, mapping of int to int, or None, default None
         Keyword-only. Most bytes one offloaded layer copies out per iteration; storages saved after
-        that stay on the device (storages in save order, each while it still fits). ``None``: no cap. To offload only
+        that stay on the device (storages in save order, each while it still fits). An int caps
+        every offloaded layer, ``{layer: bytes}`` only the layers named. ``None``: no cap. To offload only
         what some submodules save, see :meth:`~offload_examples.OffloadEngine.offload_modules`.
     early_first_reload : bool, default False
         Keyword-only. Start the reload needed first with the backward of layer ``N - 2``, one layer

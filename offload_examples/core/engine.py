@@ -59,6 +59,7 @@ import operator
 import threading
 import warnings
 import weakref
+from collections.abc import Mapping
 from types import TracebackType
 
 import torch
@@ -288,7 +289,9 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
         Most host bytes the pool may hold; beyond it tensors stay on the device (with a warning).
     max_offload_bytes_per_layer:
         Most bytes one layer offloads per iteration; storages saved after that stay on the device
-        (storages in the order they are saved, each while it still fits). ``None``: no cap.
+        (storages in the order they are saved, each while it still fits). One int for every
+        offloaded layer, or ``{layer: bytes}`` for some of them (the others have no cap; the
+        planner caps the last layer it offloads so). ``None``: no cap.
     count_every_layer:
         Hook and count every layer in every iteration. ``None``: only when the schedule offloads no
         layer (a probe); otherwise layers not offloaded run without hooks after the first iteration.
@@ -304,7 +307,7 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
         retain_pinned_cpu_buffers: bool = False,
         offload_stream: torch.cuda.Stream | None = None,
         host_memory_limit: int | None = None,
-        max_offload_bytes_per_layer: int | None = None,
+        max_offload_bytes_per_layer: int | Mapping[int, int] | None = None,
         count_every_layer: bool | None = None,
     ):
         self.schedule = schedule = checked_settings(schedule, model_layers, min_offload_bytes,
@@ -603,6 +606,7 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
             if storage.data_ptr() not in self._seen[layer]:  # counted for the theory only
                 self._seen[layer].add(storage.data_ptr())
                 stats.candidate_bytes += storage.nbytes()
+                stats.candidate_sizes.append(storage.nbytes())
             stats.kept_tensors += 1
             return _Kept(t, layer)
         with self._lock:
@@ -622,7 +626,9 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
             known.last_saved = self._saves
             return known
         rec = _StorageRecord(self, layer, t, storage, not_from_autograd, self.streams.current(), self.capturing())
-        self.stats[layer].candidate_bytes += rec.nbytes
+        stats = self.stats[layer]
+        stats.candidate_bytes += rec.nbytes
+        stats.candidate_sizes.append(rec.nbytes)
         self._records[layer].append(rec)
         self._by_storage[layer][address] = rec
         self._by_impl.setdefault(rec.weak.cdata, []).append(rec)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["ALLOWED_FROM", "LayerState", "LayerStats"]
 
@@ -37,6 +37,10 @@ class LayerStats:
     """Tensors autograd saved for backward inside the layer's context."""
     candidate_bytes: int = 0
     """Bytes of the distinct storages that could be offloaded (whether or not this layer is)."""
+    candidate_sizes: list[int] = field(default_factory=list)
+    """The bytes of each of those storages, in the order the forward first saved them (as counted then:
+    one found held elsewhere at the layer's end leaves ``candidate_bytes`` but not this list). A byte cap
+    (``max_offload_bytes_per_layer``) takes them in this order; the planner reads the probe's to choose one."""
     offloaded_tensors: int = 0
     """Saved tensors that live in host memory between forward and backward."""
     offloaded_storages: int = 0

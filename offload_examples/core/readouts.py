@@ -138,6 +138,11 @@ def _shape(x: torch.Tensor) -> tuple:
     return ("nested", tuple(map(tuple, x._nested_tensor_size().tolist())))
 
 
+def _copy(stats: LayerStats) -> LayerStats:
+    """A carried copy that shares no list with the iteration it came from."""
+    return dataclasses.replace(stats, candidate_sizes=list(stats.candidate_sizes))
+
+
 def _outer_hooks_active() -> bool:
     """Whether saved-tensor hooks of someone else (a checkpoint, ``save_on_cpu``) are active now."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
@@ -174,7 +179,7 @@ class LayerCounts:
         carry = self._counted is not None and not self.every_iteration
         self._carried = {j for j in range(n) if carry and not offloaded[j]}
         self._seen_outputs, self._all_hooked = [None] * n, True
-        return [dataclasses.replace(self._counted[j]) if j in self._carried else LayerStats() for j in range(n)]
+        return [_copy(self._counted[j]) if j in self._carried else LayerStats() for j in range(n)]
 
     def hooked(self, layer: int, offloaded: bool, stats: list[LayerStats]) -> bool:
         """Whether ``layer``'s entry installs the hooks; its carried stats are dropped if it does."""

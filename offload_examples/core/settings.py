@@ -6,7 +6,7 @@ these run during a step's copies; they set what the next steps do, and which sav
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -19,20 +19,39 @@ __all__ = ["EngineSettings", "checked_settings"]
 Schedule = DefaultSchedule | SyncDictSchedule | ManualSchedule
 
 
+#: One cap for every offloaded layer, one per layer (layers not named have none), or none at all.
+Caps = int | Mapping[int, int] | None
+
+
 def checked_settings(schedule: Schedule | None, model_layers: int | None, min_offload_bytes: int,
-                     max_offload_bytes_per_layer: int | None) -> Schedule:
+                     max_offload_bytes_per_layer: Caps) -> Schedule:
     """Refuse bad engine arguments with one clear error each; returns the schedule to follow
     (a :class:`ManualSchedule` of ``model_layers`` when none is given)."""
     if not isinstance(min_offload_bytes, int) or min_offload_bytes < 0:
         raise ValueError(f"min_offload_bytes must be an int >= 0, got {min_offload_bytes!r}")
-    cap = max_offload_bytes_per_layer
-    if cap is not None and (not isinstance(cap, int) or cap < 1):
-        raise ValueError(f"max_offload_bytes_per_layer must be an int >= 1 or None, got {cap!r}")
     if schedule is None:
-        return ManualSchedule(model_layers)
-    if model_layers is not None and model_layers != schedule.model_layers:
+        schedule = ManualSchedule(model_layers)
+    elif model_layers is not None and model_layers != schedule.model_layers:
         raise ValueError(f"model_layers={model_layers} disagrees with the schedule's {schedule.model_layers}")
+    _check_caps(max_offload_bytes_per_layer, schedule.model_layers)
     return schedule
+
+
+def _check_caps(caps: Caps, n: int) -> None:
+    def positive(cap: object) -> bool:
+        return isinstance(cap, int) and not isinstance(cap, bool) and cap >= 1
+
+    if caps is None or positive(caps):
+        return
+    if not isinstance(caps, Mapping):
+        raise ValueError(f"max_offload_bytes_per_layer must be an int >= 1, a mapping {{layer: int >= 1}} or None, "
+                         f"got {caps!r}")
+    for layer, cap in caps.items():
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < n:
+            raise ValueError(f"max_offload_bytes_per_layer: layer {layer!r} is not an entry of the context "
+                             f"(0 .. {n - 1})")
+        if not positive(cap):
+            raise ValueError(f"max_offload_bytes_per_layer[{layer}] must be an int >= 1, got {cap!r}")
 
 
 class EngineSettings:
@@ -73,6 +92,8 @@ class EngineSettings:
         if self.selection is not None and not self.selection.active:
             return False
         cap = self.max_offload_bytes_per_layer
+        if cap is not None and not isinstance(cap, int):  # one cap per layer
+            cap = cap.get(layer)
         if cap is None or not self.schedule.is_offloaded(layer):
             return True
         storage = t.untyped_storage()

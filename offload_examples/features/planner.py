@@ -14,6 +14,11 @@ The step modelled is :class:`~offload_examples.core.schedule.DefaultSchedule`'s:
   (:meth:`DefaultSchedule.predict_step_ms`). Its forward and backward take
   ``LayerCost.offloaded_forward_ms`` and ``offloaded_backward_ms`` where they were measured. The last
   layer is never offloaded.
+- ``OFFLOAD`` with a byte cap (``Plan.caps``), for the last offloaded layer only: the engine copies the
+  storages it saves first, each while it fits under the cap (``max_offload_bytes_per_layer``), and the
+  rest stay on the device as when kept. The sizes come from ``LayerCost.storage_bytes``; a cap tops up
+  what the other layers free by just the bytes a budget still needs, with copies that may fit behind
+  compute where a whole layer's would not.
 
 Peak memory is ``base_bytes`` plus the most saved bytes resident at any phase
 (:meth:`DefaultSchedule.simulate`, plus a recomputed layer's ``saved_bytes`` during its backward);
@@ -45,7 +50,7 @@ from ..core.te_path import recompute_on_same_path
 
 __all__ = [
     "KEEP", "OFFLOAD", "RECOMPUTE", "Checkpointed", "Choice", "LayerCost", "LinkCost", "Plan", "SubsetSchedule",
-    "apply_plan", "offload_schedule", "pareto", "plan", "simulate_plan",
+    "apply_plan", "capped_bytes", "offload_schedule", "pareto", "partial_caps", "plan", "simulate_plan",
 ]
 
 #: ``prefix_only=False`` tries all ``3^N`` plans; beyond this many layers it refuses.
@@ -96,12 +101,23 @@ class LayerCost:
     offloaded_forward_ms: float | None = None  # the forward's time when the layer is offloaded
     offloaded_backward_ms: float | None = None  # the backward's time when it is offloaded (its waits not counted)
     recompute_ms: float | None = None  # what recomputing the layer adds to its forward and backward together
+    #: The bytes of each storage the engine would offload, in the order the forward first saves them
+    #: (they add up to ``saved_bytes``): what a byte cap offloads (:func:`capped_bytes`). ``None``: the
+    #: layer is offloaded whole or not at all.
+    storage_bytes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name, kind in (("forward_ms", float), ("backward_ms", float), ("saved_bytes", int), ("input_bytes", int),
                            ("offloaded_forward_ms", float), ("offloaded_backward_ms", float), ("recompute_ms", float)):
             if getattr(self, name) is not None or kind is int or name in ("forward_ms", "backward_ms"):
                 _check("LayerCost", name, getattr(self, name), kind)
+        if self.storage_bytes is not None:  # a list read back from JSON becomes a tuple
+            sizes = tuple(self.storage_bytes)
+            object.__setattr__(self, "storage_bytes", sizes)
+            for size in sizes:
+                _check("LayerCost", "storage_bytes[i]", size, int)
+            if sum(sizes) != self.saved_bytes:
+                raise ValueError(f"LayerCost.storage_bytes add up to {sum(sizes)}, not saved_bytes={self.saved_bytes}")
 
     def scaled(self, factor: float) -> LayerCost:
         """The same costs with every time multiplied by ``factor`` (the bytes unchanged)."""
@@ -121,6 +137,31 @@ class LayerCost:
         if choice is RECOMPUTE:
             return self.forward_ms, self.backward_ms + self.recompute_extra_ms
         return self.forward_ms, self.backward_ms
+
+
+def capped_bytes(cost: LayerCost, cap: int | None) -> int:
+    """The bytes the engine offloads of a layer under a byte cap: its storages in save order, each
+    while it still fits (``max_offload_bytes_per_layer``); ``saved_bytes`` without a cap."""
+    if cap is None:
+        return cost.saved_bytes
+    if cost.storage_bytes is None:
+        raise ValueError("a byte cap needs the layer's LayerCost.storage_bytes (measure_costs records them)")
+    total = 0
+    for size in cost.storage_bytes:
+        if total + size <= cap:
+            total += size
+    return total
+
+
+def partial_caps(cost: LayerCost) -> tuple[int, ...]:
+    """The caps that offload part of a layer, each a different part: the sums of its first storages
+    (the first one, the first two, ...), short of all of them. Under such a cap the engine takes
+    exactly those storages: the next one does not fit, nor does any later one. Empty when the
+    layer's storage sizes are unknown."""
+    if cost.storage_bytes is None:
+        return ()
+    sums = itertools.accumulate(cost.storage_bytes)
+    return tuple(sorted({c for c in sums if 0 < c < cost.saved_bytes}))
 
 
 @dataclass(frozen=True)
@@ -174,17 +215,22 @@ def offload_schedule(offloaded: Sequence[int], n: int) -> DefaultSchedule:
 
 
 def simulate_plan(choices: Sequence[Choice | str], costs: Sequence[LayerCost], link: LinkCost,
-                  base_bytes: int = 0) -> tuple[int, float]:
-    """``(peak_bytes, step_ms)`` that the model predicts for one choice per layer."""
+                  base_bytes: int = 0, caps: Sequence[int | None] | None = None) -> tuple[int, float]:
+    """``(peak_bytes, step_ms)`` that the model predicts for one choice per layer.
+
+    ``caps``: per layer, the byte cap of an offloaded layer (``None``: all of it), as in :attr:`Plan.caps`.
+    """
     choices = tuple(Choice(c) for c in choices)
     n = len(costs)
     if len(choices) != n or n == 0:
         raise ValueError(f"need one choice per layer ({n} layers, at least 1), got {len(choices)}")
     if choices[-1] is OFFLOAD:
         raise ValueError("the last layer cannot be offloaded: its backward runs first")
+    caps = _checked_caps(caps, choices)
     sched = offload_schedule([i for i, c in enumerate(choices) if c is OFFLOAD], n)
-    off = [c.saved_bytes if ch is OFFLOAD else 0 for c, ch in zip(costs, choices)]
-    kept = [{KEEP: c.saved_bytes, RECOMPUTE: c.input_bytes, OFFLOAD: 0}[ch] for c, ch in zip(costs, choices)]
+    off = [capped_bytes(c, cap) if ch is OFFLOAD else 0 for c, ch, cap in zip(costs, choices, caps)]
+    kept = [{KEEP: c.saved_bytes, RECOMPUTE: c.input_bytes, OFFLOAD: c.saved_bytes - o}[ch]
+            for c, ch, o in zip(costs, choices, off)]
     points = sched.simulate(off, kept).points
     peak = max(total + (costs[j].saved_bytes if phase == "backward" and choices[j] is RECOMPUTE else 0)
                for phase, j, _, total in points)
@@ -193,12 +239,30 @@ def simulate_plan(choices: Sequence[Choice | str], costs: Sequence[LayerCost], l
     return base_bytes + peak, ms
 
 
+def _checked_caps(caps: Sequence[int | None] | None, choices: tuple[Choice, ...]) -> tuple[int | None, ...]:
+    """``caps`` as one entry per layer (all ``None`` when not given); a cap only on an offloaded layer."""
+    if caps is None or len(caps) == 0:
+        return (None,) * len(choices)
+    caps = tuple(caps)
+    if len(caps) != len(choices):
+        raise ValueError(f"need one cap (or None) per layer ({len(choices)} layers), got {len(caps)}")
+    for i, (cap, ch) in enumerate(zip(caps, choices)):
+        if cap is not None:
+            if not isinstance(cap, int) or isinstance(cap, bool) or cap < 1:
+                raise ValueError(f"caps[{i}] must be an int >= 1 or None, got {cap!r}")
+            if ch is not OFFLOAD:
+                raise ValueError(f"caps[{i}] is set but layer {i} is not offloaded ({ch.value})")
+    return caps
+
+
 @dataclass(frozen=True)
 class Plan:
     """One choice per layer and what the model predicts for it.
 
     When ``feasible`` is False no plan fits ``budget_bytes``: the choices are then those of the plan
-    with the lowest peak, and ``why`` says by how much it misses.
+    with the lowest peak, and ``why`` says by how much it misses. ``caps`` holds, per layer, the byte
+    cap of an offloaded layer that offloads only part of what it saves (``None``: all of it, and for
+    every layer not offloaded); :func:`apply_plan` hands them to the engine.
     """
 
     choices: tuple[Choice, ...]
@@ -207,9 +271,11 @@ class Plan:
     feasible: bool = True
     why: str = ""
     budget_bytes: int | None = None
+    caps: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "choices", tuple(Choice(c) for c in self.choices))
+        object.__setattr__(self, "caps", _checked_caps(self.caps, self.choices))
 
     @property
     def offload_prefix(self) -> int | None:
@@ -221,15 +287,40 @@ class Plan:
     def recomputed(self) -> tuple[int, ...]:
         return tuple(i for i, c in enumerate(self.choices) if c is RECOMPUTE)
 
+    @property
+    def capped(self) -> dict[int, int]:
+        """``{layer: cap}`` of the layers that offload only part of what they save."""
+        return {i: cap for i, cap in enumerate(self.caps) if cap is not None}
+
     def to_dict(self) -> dict[str, Any]:
         return {"choices": [c.value for c in self.choices], "predicted_peak_bytes": self.predicted_peak_bytes,
                 "predicted_step_ms": self.predicted_step_ms, "feasible": self.feasible, "why": self.why,
-                "budget_bytes": self.budget_bytes}
+                "budget_bytes": self.budget_bytes, "caps": list(self.caps)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
         return cls(tuple(data["choices"]), int(data["predicted_peak_bytes"]), float(data["predicted_step_ms"]),
-                   bool(data["feasible"]), str(data.get("why", "")), data.get("budget_bytes"))
+                   bool(data["feasible"]), str(data.get("why", "")), data.get("budget_bytes"),
+                   tuple(data.get("caps") or ()))
+
+    def describe(self, layer: int) -> str:
+        """``layer``'s choice in words: ``offload``, ``offload up to 96.00 MiB``, ``keep``..."""
+        cap = self.caps[layer]
+        return self.choices[layer].value + ("" if cap is None else f" up to {cap / 2**20:.2f} MiB")
+
+    def summary(self) -> str:
+        """``offload 0-1, offload up to 96.00 MiB 2, recompute 3-5, keep 6-11``: each choice with its layers, as ranges."""
+        groups: dict[str, list[list[int]]] = {}
+        for i in range(len(self.choices)):
+            runs = groups.setdefault(self.describe(i), [])
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        order = [OFFLOAD.value, RECOMPUTE.value, KEEP.value]  # capped offloads right after the whole ones
+        named = sorted(groups, key=lambda d: (order.index(d.split()[0]), d != d.split()[0]))
+        return ", ".join(f"{d} " + " ".join(f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in groups[d])
+                         for d in named)
 
     def __str__(self) -> str:
         mib = 2**20
@@ -238,7 +329,7 @@ class Plan:
                  f"step {self.predicted_step_ms:.3f} ms")]
         if not self.feasible:
             head.append(f"infeasible: {self.why}")
-        return "\n".join(head + ["layer  choice"] + [f"{i:5d}  {c.value}" for i, c in enumerate(self.choices)])
+        return "\n".join(head + ["layer  choice"] + [f"{i:5d}  {self.describe(i)}" for i in range(len(self.choices))])
 
 
 def _nondominated(items: list[tuple], dims: int) -> list[tuple]:
@@ -265,15 +356,19 @@ def _nondominated(items: list[tuple], dims: int) -> list[tuple]:
     return kept
 
 
-def _prefix_front(costs: Sequence[LayerCost], link: LinkCost, k: int, cap: float) -> list[tuple]:
-    """``(step_ms, peak_saved_bytes, changes, choices)`` of the non-dominated plans with the first
-    ``k`` layers offloaded, the others kept or recomputed, and at most ``cap`` bytes resident."""
+def _prefix_front(costs: Sequence[LayerCost], link: LinkCost, k: int, cap: float,
+                  last_cap: int | None = None) -> list[tuple]:
+    """``(step_ms, peak_saved_bytes, changes, choices, caps)`` of the non-dominated plans with the first
+    ``k`` layers offloaded (layer ``k - 1`` under the byte cap ``last_cap``, if given), the others kept
+    or recomputed, and at most ``cap`` bytes resident."""
     n = len(costs)
     sched = DefaultSchedule(k, n)
-    off = [c.saved_bytes if i < k else 0 for i, c in enumerate(costs)]
-    points = sched.simulate(off, [0] * n).points
+    caps = tuple(last_cap if i == k - 1 else None for i in range(n))
+    off = [capped_bytes(c, caps[i]) if i < k else 0 for i, c in enumerate(costs)]
+    left = [c.saved_bytes - o if i < k else 0 for i, (c, o) in enumerate(zip(costs, off))]  # what a cap keeps
+    points = sched.simulate(off, left).points
     fixed = max((total for _, j, _, total in points if j < k), default=0)  # no other layer is held there
-    resident = {(phase, j): total for phase, j, _, total in points}  # offloaded bytes on the device
+    resident = {(phase, j): total for phase, j, _, total in points}  # layers 0 .. k-1's bytes on the device
     if fixed > cap:
         return []
     fwd, bwd = zip(*(c.phase_ms(OFFLOAD if i < k else KEEP) for i, c in enumerate(costs)))
@@ -302,27 +397,39 @@ def _prefix_front(costs: Sequence[LayerCost], link: LinkCost, k: int, cap: float
             states = _nondominated(new, 3)
         else:  # what the layers hold matters no more after the last one: equals go to fewer changes
             states = [(a, p, h, r, ch) for a, p, r, h, ch in _nondominated([(a, p, r, h, ch) for a, p, h, r, ch in new], 3)]
-    return [(alpha, peak, k + nrec, (OFFLOAD,) * k + tuple(RECOMPUTE if r else KEEP for r in ch))
+    return [(alpha, peak, k + nrec, (OFFLOAD,) * k + tuple(RECOMPUTE if r else KEEP for r in ch), caps)
             for alpha, peak, _, nrec, ch in states]
 
 
+def _last_caps(costs: Sequence[LayerCost], choices: tuple[Choice, ...], partial: bool) -> list[tuple[int | None, ...]]:
+    """The caps to try with ``choices``: none, and with ``partial`` each of :func:`partial_caps` on the
+    last offloaded layer (the one whose copies have the least compute to hide behind)."""
+    out: list[tuple[int | None, ...]] = [(None,) * len(choices)]
+    last = max((i for i, c in enumerate(choices) if c is OFFLOAD), default=None)
+    if partial and last is not None:
+        out += [tuple(cap if i == last else None for i in range(len(choices))) for cap in partial_caps(costs[last])]
+    return out
+
+
 def _front(costs: Sequence[LayerCost], link: LinkCost, base_bytes: int, cap: float,
-           prefix_only: bool) -> list[tuple]:
-    """Non-dominated ``(rounded step_ms, peak_bytes, changes, step_ms, choices)`` with peak <= ``cap``."""
+           prefix_only: bool, partial: bool) -> list[tuple]:
+    """Non-dominated ``(rounded step_ms, peak_bytes, changes, step_ms, (choices, caps))`` with peak <= ``cap``."""
     n = len(costs)
     if prefix_only:
-        found = [f for k in range(n) for f in _prefix_front(costs, link, k, cap - base_bytes)]
-        found = [f[3] for f in _nondominated(found, 2)]  # then re-simulated: the numbers reported
+        found = [f for k in range(n) for last in (None, *(partial_caps(costs[k - 1]) if partial and k else ()))
+                 for f in _prefix_front(costs, link, k, cap - base_bytes, last)]
+        found = [f[3:] for f in _nondominated(found, 2)]  # then re-simulated: the numbers reported
     elif n > EXHAUSTIVE_MAX_LAYERS:
         raise ValueError(f"prefix_only=False tries all 3^N plans: N={n} > {EXHAUSTIVE_MAX_LAYERS} layers is "
                          "too many (and the engine offloads only the first k layers)")
     else:
-        found = [ch for ch in itertools.product(Choice, repeat=n) if ch[-1] is not OFFLOAD]
+        found = [(ch, caps) for ch in itertools.product(Choice, repeat=n) if ch[-1] is not OFFLOAD
+                 for caps in _last_caps(costs, ch, partial)]
     out = []
-    for ch in found:
-        peak, ms = simulate_plan(ch, costs, link, base_bytes)
+    for ch, caps in found:
+        peak, ms = simulate_plan(ch, costs, link, base_bytes, caps)
         if peak <= cap:
-            out.append((round(ms, _DECIMALS), peak, sum(c is not KEEP for c in ch), ms, ch))
+            out.append((round(ms, _DECIMALS), peak, sum(c is not KEEP for c in ch), ms, (ch, caps)))
     return _nondominated(out, 2)
 
 
@@ -343,8 +450,8 @@ def _summary(choices: tuple[Choice, ...]) -> str:
     return ", ".join(f"{c.value} {choices.count(c)}" for c in Choice if c in choices)
 
 
-def _undo_free_recomputations(choices: tuple[Choice, ...], costs: Sequence[LayerCost], link: LinkCost,
-                              base_bytes: int, rounded_ms: float, peak: int) -> tuple[Choice, ...]:
+def _undo_free_recomputations(choices: tuple[Choice, ...], caps: tuple[int | None, ...], costs: Sequence[LayerCost],
+                              link: LinkCost, base_bytes: int, rounded_ms: float, peak: int) -> tuple[Choice, ...]:
     """``choices`` with every RECOMPUTE turned back into KEEP where that costs neither time nor peak.
 
     The search drops a state when another holds fewer bytes at equal time and peak; a recomputation
@@ -355,14 +462,14 @@ def _undo_free_recomputations(choices: tuple[Choice, ...], costs: Sequence[Layer
     for i, c in enumerate(out):
         if c is RECOMPUTE:
             trial = out[:i] + [KEEP] + out[i + 1:]
-            p, ms = simulate_plan(trial, costs, link, base_bytes)
+            p, ms = simulate_plan(trial, costs, link, base_bytes, caps)
             if p <= peak and round(ms, _DECIMALS) <= rounded_ms:
                 out = trial
     return tuple(out)
 
 
 def plan(costs: Sequence[LayerCost], link: LinkCost, budget_bytes: int, base_bytes: int = 0,
-         prefix_only: bool = True) -> Plan:
+         prefix_only: bool = True, partial: bool = True) -> Plan:
     """The fastest predicted plan whose predicted peak is <= ``budget_bytes``.
 
     Step times are compared rounded to ``10**-_DECIMALS`` ms. Ties go to the lower peak, then to fewer
@@ -395,32 +502,39 @@ def plan(costs: Sequence[LayerCost], link: LinkCost, budget_bytes: int, base_byt
 
     ``prefix_only=False`` allows any set of offloaded layers (:class:`SubsetSchedule`, which
     :func:`apply_plan` runs) and tries every plan: exact, for up to :data:`EXHAUSTIVE_MAX_LAYERS` layers.
+
+    With ``partial`` (the default) the last offloaded layer may also offload only its first
+    storages (a byte cap from :func:`partial_caps`; layers whose ``storage_bytes`` are unknown are
+    offloaded whole): the search above runs once more for each such cap, and stays exact over
+    plans with at most that one capped layer. Ties go to the plan without a cap.
     """
     costs = _validate(costs, link, base_bytes)
     _check("plan", "budget_bytes", budget_bytes, int)
-    front = _front(costs, link, base_bytes, budget_bytes, prefix_only)
+    front = _front(costs, link, base_bytes, budget_bytes, prefix_only, partial)
     if front:
-        rounded, peak, _, ms, ch = front[0]
-        ch = _undo_free_recomputations(ch, costs, link, base_bytes, rounded, peak)
-        peak, ms = simulate_plan(ch, costs, link, base_bytes)
-        return Plan(ch, peak, ms, True, "", budget_bytes)
-    _, peak, _, ms, ch = min(_front(costs, link, base_bytes, math.inf, prefix_only), key=lambda p: p[1::-1])
+        rounded, peak, _, ms, (ch, caps) = front[0]
+        ch = _undo_free_recomputations(ch, caps, costs, link, base_bytes, rounded, peak)
+        peak, ms = simulate_plan(ch, costs, link, base_bytes, caps)
+        return Plan(ch, peak, ms, True, "", budget_bytes, caps)
+    _, peak, _, ms, (ch, caps) = min(_front(costs, link, base_bytes, math.inf, prefix_only, partial),
+                                     key=lambda p: p[1::-1])
     if base_bytes > budget_bytes:
         why = f"base_bytes={base_bytes} alone exceed the budget of {budget_bytes} bytes"
     else:
         why = (f"even the plan with the lowest peak ({_summary(ch)}) needs {peak} bytes > budget {budget_bytes} "
                f"bytes ({base_bytes} of them base_bytes)" + ("; OFFLOAD limited to a prefix" if prefix_only else ""))
-    return Plan(ch, peak, ms, False, why, budget_bytes)
+    return Plan(ch, peak, ms, False, why, budget_bytes, caps)
 
 
-def pareto(costs: Sequence[LayerCost], link: LinkCost, base_bytes: int = 0, prefix_only: bool = True) -> list[Plan]:
+def pareto(costs: Sequence[LayerCost], link: LinkCost, base_bytes: int = 0, prefix_only: bool = True,
+           partial: bool = True) -> list[Plan]:
     """Every plan that no other beats on both predicted peak and step time, by increasing peak.
 
     Same search as :func:`plan` without a budget; for each budget, :func:`plan` returns one of these.
     """
     costs = _validate(costs, link, base_bytes)
-    front = _front(costs, link, base_bytes, math.inf, prefix_only)
-    return [Plan(ch, peak, ms) for _, peak, _, ms, ch in sorted(front, key=lambda p: p[1::-1])]
+    front = _front(costs, link, base_bytes, math.inf, prefix_only, partial)
+    return [Plan(ch, peak, ms, caps=caps) for _, peak, _, ms, (ch, caps) in sorted(front, key=lambda p: p[1::-1])]
 
 
 class Checkpointed(nn.Module):
@@ -455,10 +569,16 @@ def apply_plan(chosen: Plan, layers: Sequence[nn.Module], device: torch.device |
             h = sync(h)
 
     ``engine_options`` go to :class:`~offload_examples.OffloadEngine` (``retain_pinned_cpu_buffers``,
-    ``min_offload_bytes``...). Raises ``ValueError`` when the plan and the layers differ in length.
+    ``min_offload_bytes``...); the plan's caps (:attr:`Plan.caps`) become its
+    ``max_offload_bytes_per_layer``. Raises ``ValueError`` when the plan and the layers differ in
+    length, or when both the plan and ``engine_options`` cap bytes.
     """
     if len(chosen.choices) != len(layers):
         raise ValueError(f"the plan has {len(chosen.choices)} choices but there are {len(layers)} layers")
+    if chosen.capped:
+        if engine_options.get("max_offload_bytes_per_layer") is not None:
+            raise ValueError("the plan caps the bytes of some layers: max_offload_bytes_per_layer would override it")
+        engine_options["max_offload_bytes_per_layer"] = chosen.capped
     offloaded = [i for i, c in enumerate(chosen.choices) if c is OFFLOAD]
     # a plan that offloads nothing must not hook every layer in every step, as a probe does
     engine_options.setdefault("count_every_layer", False)

@@ -625,22 +625,6 @@ def _planner_budgets(setup: PlannerSetup, k: int) -> list[tuple[str, int]]:
             for s in PLANNER_BUDGETS]
 
 
-def _plan_summary(chosen: Plan) -> str:
-    """``offload 0-2, recompute 5, keep 3-4 6-9``: each choice with the layers it covers, as ranges."""
-    parts = []
-    for choice in (OFFLOAD, RECOMPUTE, KEEP):
-        layers = [i for i, c in enumerate(chosen.choices) if c is choice]
-        runs: list[list[int]] = []
-        for i in layers:
-            if runs and runs[-1][-1] == i - 1:
-                runs[-1].append(i)
-            else:
-                runs.append([i])
-        if runs:
-            parts.append(f"{choice.value} " + " ".join(f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs))
-    return ", ".join(parts)
-
-
 def _run_planner(setup: PlannerSetup, budget_from: str, budget: int, model: nn.ModuleList, x: torch.Tensor, k: int,
                  device: torch.device, kind: str, steps: dict, base, reference: Callable[[], torch.Tensor],
                  planned: dict[tuple, dict[str, Any]]) -> dict[str, Any]:
@@ -651,14 +635,15 @@ def _run_planner(setup: PlannerSetup, budget_from: str, budget: int, model: nn.M
     """
     chosen = plan(setup.costs, setup.link, budget, setup.base_bytes)
     figures = {
-        "budget_from": budget_from, "budget_bytes": budget, "plan": _plan_summary(chosen),
-        "choices": [c.value for c in chosen.choices], "feasible": chosen.feasible,
+        "budget_from": budget_from, "budget_bytes": budget, "plan": chosen.summary(),
+        "choices": [c.value for c in chosen.choices], "caps": list(chosen.caps), "feasible": chosen.feasible,
         "predicted_peak_bytes": chosen.predicted_peak_bytes, "predicted_step_ms": chosen.predicted_step_ms,
         # as a ratio to keeping every layer: the measured overhead's counterpart
         "predicted_overhead": chosen.predicted_step_ms / setup.keep_step_ms - 1,
     }
-    if chosen.choices in planned:
-        first = planned[chosen.choices]
+    key = (chosen.choices, chosen.caps)
+    if key in planned:
+        first = planned[key]
         return {**first, **figures, "k": k, "same_run_as": {"budget_from": first["budget_from"], "k": first["k"]}}
     theory = setup.keep_peak_bytes - chosen.predicted_peak_bytes
     result = _run_strategy("planner", model, x, k, device, kind, steps, base, theory, None, None, False, {},
@@ -666,7 +651,7 @@ def _run_planner(setup: PlannerSetup, budget_from: str, budget: int, model: nn.M
     result.update(figures)
     if result["status"] == "ok":
         result.update(_prediction_errors(result))
-        planned[chosen.choices] = result
+        planned[key] = result
     return result
 
 

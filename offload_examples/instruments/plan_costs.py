@@ -3,8 +3,8 @@
 :func:`measure_costs` runs training steps through an engine that offloads nothing (a probe: its
 hooks count what every layer saves) with timing marks on the compute stream, and returns one
 :class:`~offload_examples.features.planner.LayerCost` per layer: forward and backward time (median
-over the steps), the bytes its forward keeps for backward, and the bytes of its input (what
-recomputation keeps instead). It then times the layers kept, offloaded and recomputed (a few of each
+over the steps), the bytes its forward keeps for backward (and each storage's, in the order they
+are saved: what a byte cap offloads), and the bytes of its input (what recomputation keeps instead). It then times the layers kept, offloaded and recomputed (a few of each
 kind) without the probe's hooks, in more runs that take turns step by step, and the times it returns are
 theirs: where a step is launch bound (the GPU waits for the host, as on Transformer Engine's layers),
 hooks, copies and the checkpoint's host work lengthen it, and only timing them tells by how much; the
@@ -101,7 +101,8 @@ def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 5,
             h.remove()
         _zero(layers, x)
     fwd, bwd = _medians(runs, n)
-    costs = [LayerCost(f, b, s.candidate_bytes, inp) for f, b, s, inp in zip(fwd, bwd, ctx.stats, inputs)]
+    costs = [LayerCost(f, b, s.candidate_bytes, inp, storage_bytes=tuple(s.candidate_sizes))
+             for f, b, s, inp in zip(fwd, bwd, ctx.stats, inputs)]
     if per_choice:
         costs = _per_choice(costs, layers, x, steps)
     return (_pooled_by_kind(costs, layers) if pool_kinds else costs), base

@@ -415,7 +415,7 @@ def _run_rank(rank: int, config: FsdpConfig, device: torch.device, verbose: bool
     without, with_ = trace_paths(trace_dir, rank) if trace_dir else (None, None)
     chosen, keep_all = (None, 0) if config.plan is None else make_plan(config, device, x)
     if chosen is not None:
-        say(f"plan: {' '.join(c.value[0].upper() for c in chosen.choices)} (K keep, O offload, R recompute)")
+        say(f"plan: {chosen.summary()}")
     base = _run_case(config, device, x, False, say, without)
     _free(device)
     dist.barrier()
@@ -716,8 +716,8 @@ def format_report(report: dict[str, Any]) -> str:
 
 def _plan_lines(p: dict[str, Any]) -> list[str]:
     mib, measured = 2**20, p["measured_saving_bytes"]
-    return [f"plan (rank 0 measured, every rank runs it): {' '.join(c[0].upper() for c in p['choices'])} "
-            "(K keep, O offload, R recompute)" + ("" if p["feasible"] else f"; infeasible: {p['why']}"),
+    return [f"plan (rank 0 measured, every rank runs it): {Plan.from_dict(p).summary()}"
+            + ("" if p["feasible"] else f"; infeasible: {p['why']}"),
             ("given plan" if p["predicted_saving_bytes"] is None else
              f"predicted saving of saved activations {p['predicted_saving_bytes'] / mib:.1f} MiB") + ", measured peak saving "
             + ("n/a (no CUDA)" if measured is None else f"{measured / mib:.1f} MiB")
