@@ -101,7 +101,7 @@ def get_cpu_offload_context(
     device : torch.device, str or None, default None
         Keyword-only. The compute device; the current CUDA device when CUDA is available, else
         the CPU.
-    max_offload_bytes_per_layer : int, mapping of int to int, or None, default None
+    max_offload_bytes_per_layer : int, dict of int to int, or None, default None
         Keyword-only. Most bytes one offloaded layer copies out per iteration; storages saved after
         that stay on the device (storages in save order, each while it still fits). An int caps
         every offloaded layer, ``{layer: bytes}`` only the layers named. ``None``: no cap. To offload only

@@ -218,7 +218,7 @@ def simulate_plan(choices: Sequence[Choice | str], costs: Sequence[LayerCost], l
                   base_bytes: int = 0, caps: Sequence[int | None] | None = None) -> tuple[int, float]:
     """``(peak_bytes, step_ms)`` that the model predicts for one choice per layer.
 
-    ``caps``: per layer, the byte cap of an offloaded layer (``None``: all of it), as in :attr:`Plan.caps`.
+    ``caps``: per layer, the byte cap of an offloaded layer (``None``: all of it), as in ``Plan.caps``.
     """
     choices = tuple(Choice(c) for c in choices)
     n = len(costs)
@@ -569,7 +569,7 @@ def apply_plan(chosen: Plan, layers: Sequence[nn.Module], device: torch.device |
             h = sync(h)
 
     ``engine_options`` go to :class:`~offload_examples.OffloadEngine` (``retain_pinned_cpu_buffers``,
-    ``min_offload_bytes``...); the plan's caps (:attr:`Plan.caps`) become its
+    ``min_offload_bytes``...); the plan's ``caps`` become its
     ``max_offload_bytes_per_layer``. Raises ``ValueError`` when the plan and the layers differ in
     length, or when both the plan and ``engine_options`` cap bytes.
     """

@@ -48,7 +48,7 @@ def _zero(layers: Sequence[nn.Module], x: torch.Tensor) -> None:
     x.grad = None
 
 
-def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 5,
+def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 20,
                   per_choice: bool = True, pool_kinds: bool = True) -> tuple[list[LayerCost], int]:
     """One :class:`~offload_examples.features.planner.LayerCost` per layer, and the base bytes.
 
@@ -56,7 +56,10 @@ def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 5,
     planner adds them to every predicted peak. The steps clear the ``.grad`` of the layers' parameters
     and of ``x`` (also when one fails): call it before accumulating gradients, not in the middle.
     ``steps`` timed steps follow one warm-up step; each
-    layer's times are the median over them. On a CPU the times are host times of a CPU run: right
+    layer's times are the median over them, and the per-choice runs take ``steps`` rounds. What a
+    choice adds is a difference of two runs' steps, noisier than either: with 5 rounds, notebook 07's
+    predictions of the same plans moved by up to 12 ms (of about 90) from one execution to the next
+    while the measured steps moved by under 2 ms (sessions 15 and 16 on the H100), hence 20. On a CPU the times are host times of a CPU run: right
     for planning a CPU run, not a prediction for a GPU.
 
     With ``per_choice`` (the default) more runs, taking turns step by step, time every layer kept
