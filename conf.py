@@ -99,6 +99,9 @@ stored_sources = {
     "lean15": "docs/runs/2026-11-24-h100-session15/diag29.json",
     "te-bench15": "docs/runs/2026-11-24-h100-session15/bench_A20/bench.json#models[A]",
     "gpu-session15": "docs/runs/2026-11-24-h100-session15/README.md",
+    "plan-bench16": "docs/runs/2026-11-24-h100-session16/bench_planner/bench.json",
+    "uncapped16": "docs/runs/2026-11-24-h100-session16/uncapped_plans.txt",
+    "gpu-session16": "docs/runs/2026-11-24-h100-session16/README.md",
 }
 
 extensions = [
