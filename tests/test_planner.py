@@ -261,9 +261,9 @@ def test_serialisation_round_trips_and_prints_a_row_per_layer(data):
     got = plan(costs, link, budget, base)
     back = Plan.from_dict(json.loads(json.dumps(got.to_dict())))
     assert back == got and all(isinstance(c, Choice) for c in back.choices)
-    rows = re.findall(r"^\s*(\d+)\s+(keep|offload|recompute)( up to [0-9.]+ MiB)?$", str(got), flags=re.MULTILINE)
-    assert rows == [(str(i), c.value, "" if cap is None else f" up to {cap / 2**20:.2f} MiB")
-                    for i, (c, cap) in enumerate(zip(got.choices, got.caps))]
+    rows = re.findall(r"^\s*(\d+)\s+(keep|offload|recompute)( up to [0-9.]+ (?:MiB|bytes))?$", str(got), flags=re.MULTILINE)
+    assert rows == [(str(i), c.value, "" if cap is None else f" up to {cap / 2**20:.2f} MiB" if cap >= 2**20
+                     else f" up to {cap} bytes") for i, (c, cap) in enumerate(zip(got.choices, got.caps))]
 
 
 def test_prefix_and_engine_call():
@@ -672,6 +672,12 @@ def test_caps_are_refused_where_they_cannot_mean_anything():
         simulate_plan((OFFLOAD, KEEP), [sized] * 2, LinkCost(1.0, 1.0, 1.0), caps=(0, None))
     model = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
     from offload_examples.features.planner import apply_plan
+    caps = {0: mb}
+    ctx, _, _ = apply_plan(Plan((OFFLOAD, KEEP), 0, 0.0, caps=(mb, None)), list(model), device="cpu")
+    engine = planner.OffloadEngine(planner.DefaultSchedule(1, 2), device=torch.device("cpu"),
+                                   max_offload_bytes_per_layer=caps)
+    caps[0] = -7  # the engine keeps its own checked copy
+    assert ctx.max_offload_bytes_per_layer == {0: mb} and engine.max_offload_bytes_per_layer == {0: mb}
     with pytest.raises(ValueError, match="override"):
         apply_plan(Plan((OFFLOAD, KEEP), 0, 0.0, caps=(mb, None)), list(model), device="cpu",
                    max_offload_bytes_per_layer=5)

@@ -317,7 +317,9 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
         self.synchronizer = OffloadSynchronizer(self)
         self.device = device = resolve_device(device)  # a bare "cuda" kept every tensor: it is not "cuda:0"
         self.min_offload_bytes = min_offload_bytes
-        self.max_offload_bytes_per_layer = max_offload_bytes_per_layer
+        # a mapping is copied: a caller changing theirs later would skip the checks above
+        caps = max_offload_bytes_per_layer
+        self.max_offload_bytes_per_layer = dict(caps) if isinstance(caps, Mapping) else caps
         self.selection: ModuleSelection | None = None  # see offload_modules()
         self.streams = Streams(device, offload_stream)
         self.pool = HostBufferPool(

@@ -306,7 +306,9 @@ class Plan:
     def describe(self, layer: int) -> str:
         """``layer``'s choice in words: ``offload``, ``offload up to 96.00 MiB``, ``keep``..."""
         cap = self.caps[layer]
-        return self.choices[layer].value + ("" if cap is None else f" up to {cap / 2**20:.2f} MiB")
+        if cap is None:
+            return self.choices[layer].value
+        return f"{self.choices[layer].value} up to " + (f"{cap / 2**20:.2f} MiB" if cap >= 2**20 else f"{cap} bytes")
 
     def summary(self) -> str:
         """``offload 0-1, offload up to 96.00 MiB 2, recompute 3-5, keep 6-11``: each choice with its layers, as ranges."""
@@ -506,7 +508,10 @@ def plan(costs: Sequence[LayerCost], link: LinkCost, budget_bytes: int, base_byt
     With ``partial`` (the default) the last offloaded layer may also offload only its first
     storages (a byte cap from :func:`partial_caps`; layers whose ``storage_bytes`` are unknown are
     offloaded whole): the search above runs once more for each such cap, and stays exact over
-    plans with at most that one capped layer. Ties go to the plan without a cap.
+    plans whose one capped layer's cap is such a sum (a cap that makes the engine skip a large
+    early storage for a later small one is not tried). Ties go to the plan without a cap. The time
+    grows with the caps tried: 48 layers of 30 storages each took 9 s against 0.4 s with
+    ``partial=False`` (the timings above are without caps).
     """
     costs = _validate(costs, link, base_bytes)
     _check("plan", "budget_bytes", budget_bytes, int)
