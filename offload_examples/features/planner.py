@@ -311,7 +311,8 @@ class Plan:
         return f"{self.choices[layer].value} up to " + (f"{cap / 2**20:.2f} MiB" if cap >= 2**20 else f"{cap} bytes")
 
     def summary(self) -> str:
-        """``offload 0-1, offload up to 96.00 MiB 2, recompute 3-5, keep 6-11``: each choice with its layers, as ranges."""
+        """``offload 0-1, offload up to 96.00 MiB 2, recompute 3-5, keep 6-11``: each choice with its
+        layers, as ranges."""
         groups: dict[str, list[list[int]]] = {}
         for i in range(len(self.choices)):
             runs = groups.setdefault(self.describe(i), [])
@@ -403,14 +404,18 @@ def _prefix_front(costs: Sequence[LayerCost], link: LinkCost, k: int, cap: float
             for alpha, peak, _, nrec, ch in states]
 
 
+def _caps_to_try(costs: Sequence[LayerCost], last: int | None, partial: bool) -> tuple[int | None, ...]:
+    """The caps to try on the last offloaded layer ``last`` (``None`` when nothing is offloaded): none,
+    and with ``partial`` each of :func:`partial_caps` (that layer's copies have the least compute to
+    hide behind)."""
+    return (None, *(partial_caps(costs[last]) if partial and last is not None else ()))
+
+
 def _last_caps(costs: Sequence[LayerCost], choices: tuple[Choice, ...], partial: bool) -> list[tuple[int | None, ...]]:
-    """The caps to try with ``choices``: none, and with ``partial`` each of :func:`partial_caps` on the
-    last offloaded layer (the one whose copies have the least compute to hide behind)."""
-    out: list[tuple[int | None, ...]] = [(None,) * len(choices)]
+    """:func:`_caps_to_try` of ``choices``' last offloaded layer, each as one entry per layer."""
     last = max((i for i, c in enumerate(choices) if c is OFFLOAD), default=None)
-    if partial and last is not None:
-        out += [tuple(cap if i == last else None for i in range(len(choices))) for cap in partial_caps(costs[last])]
-    return out
+    return [tuple(cap if i == last else None for i in range(len(choices)))
+            for cap in _caps_to_try(costs, last, partial)]
 
 
 def _front(costs: Sequence[LayerCost], link: LinkCost, base_bytes: int, cap: float,
@@ -418,7 +423,7 @@ def _front(costs: Sequence[LayerCost], link: LinkCost, base_bytes: int, cap: flo
     """Non-dominated ``(rounded step_ms, peak_bytes, changes, step_ms, (choices, caps))`` with peak <= ``cap``."""
     n = len(costs)
     if prefix_only:
-        found = [f for k in range(n) for last in (None, *(partial_caps(costs[k - 1]) if partial and k else ()))
+        found = [f for k in range(n) for last in _caps_to_try(costs, k - 1 if k else None, partial)
                  for f in _prefix_front(costs, link, k, cap - base_bytes, last)]
         found = [f[3:] for f in _nondominated(found, 2)]  # then re-simulated: the numbers reported
     elif n > EXHAUSTIVE_MAX_LAYERS:

@@ -4,9 +4,9 @@
 hooks count what every layer saves) with timing marks on the compute stream, and returns one
 :class:`~offload_examples.features.planner.LayerCost` per layer: forward and backward time (median
 over the steps), the bytes its forward keeps for backward (and each storage's, in the order they
-are saved: what a byte cap offloads), and the bytes of its input (what recomputation keeps instead). It then times the layers kept, offloaded and recomputed (a few of each
-kind) without the probe's hooks, in more runs that take turns step by step, and the times it returns are
-theirs: where a step is launch bound (the GPU waits for the host, as on Transformer Engine's layers),
+are saved: what a byte cap offloads), and the bytes of its input (what recomputation keeps instead).
+It then times the layers kept, offloaded and recomputed (a few of each kind) without the probe's
+hooks, in more runs that take turns step by step, and the times it returns are theirs: where a step is launch bound (the GPU waits for the host, as on Transformer Engine's layers),
 hooks, copies and the checkpoint's host work lengthen it, and only timing them tells by how much; the
 probe's hooks on every layer would lengthen every forward, where a plan's engine hooks only the layers
 it offloads. Layers of one kind (same class, same parameter and buffer shapes and dtypes, same saved and
@@ -58,9 +58,9 @@ def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 20,
     ``steps`` timed steps follow one warm-up step; each
     layer's times are the median over them, and the per-choice runs take ``steps`` rounds. What a
     choice adds is a difference of two runs' steps, noisier than either: with 5 rounds, notebook 07's
-    predictions of the same plans moved by up to 12 ms (of about 90) from one execution to the next
-    while the measured steps moved by under 2 ms (sessions 15 and 16 on the H100), hence 20. On a CPU the times are host times of a CPU run: right
-    for planning a CPU run, not a prediction for a GPU.
+    predictions of the same plans moved far more between executions than its measured steps did
+    (``docs/runs/2026-11-24-h100-session16/README.md``), hence 20. On a CPU the times are host times
+    of a CPU run: right for planning a CPU run, not a prediction for a GPU.
 
     With ``per_choice`` (the default) more runs, taking turns step by step, time every layer kept
     and, for each kind of layer, a few of its layers offloaded and a few recomputed
