@@ -76,6 +76,12 @@ def test_planner_checks_report_every_run(tiny_results):
         assert c["best"] is not None and c["best"]["strategy"] == c["budget_from"] and c["best"]["k"] == c["k"]
         # a CPU's peaks are not measured and its times say nothing: values reported, no verdict
         assert c["met"] is None and c["time_met"] is None and c["step_error"] is not None
+        # each plan also ran step by step against that rival
+        assert isinstance(c["vs_best"], float) and c["vs_best_quartiles"][0] <= c["vs_best"] <= c["vs_best_quartiles"][1]
+    for run in planner_runs:
+        vs = run["vs_best"]
+        assert vs["status"] == "ok" and vs["pairs"] == results["config"]["steps"], vs
+        assert (vs["strategy"], vs["k"]) == (run["budget_from"], run["k"])
 
 
 def test_planner_outputs(tiny_results, tmp_path):
@@ -105,6 +111,18 @@ def test_check_planner_by_hand():
     assert check["time_met"] and check["within_budget_run"] and check["met"]
     planner["overhead"] = 0.05  # more than the best rival's + 2 %
     assert bench.check_planner(results)[0]["met"] is False
+    # the plan's steps alternating with that rival's decide instead, when they ran
+    planner["vs_best"] = {"strategy": "checkpoint", "k": 2, "status": "ok", "ratio": 0.015, "quartiles": [0.0, 0.03]}
+    (check,) = bench.check_planner(results)
+    assert check["met"] and check["vs_best"] == 0.015 and check["vs_best_quartiles"] == [0.0, 0.03]
+    planner["vs_best"]["ratio"] = 0.025
+    assert bench.check_planner(results)[0]["time_met"] is False
+    planner["vs_best"]["k"] = 4  # measured against another run than the best: not read
+    (check,) = bench.check_planner(results)
+    assert check["vs_best"] is None and check["time_met"] is False
+    planner["vs_best"] = {"strategy": "checkpoint", "k": 2, "status": "failed", "reason": "RuntimeError: x"}
+    assert bench.check_planner(results)[0]["vs_best"] is None
+    del planner["vs_best"]
     planner.update(overhead=0.0, peak_error=0.06)
     assert bench.check_planner(results)[0]["peak_error_met"] is False
     planner.update(peak_error=0.0, peak_bytes=121)  # above its budget's run (beyond the noise): no rival, a miss
@@ -169,6 +187,7 @@ def test_planner_plans_fit_their_budgets_on_the_gpu(tmp_path):
         assert c["peak_error"] is not None and abs(c["peak_error"]) <= bench.PLANNER_PREDICTION_ERROR, c
         # the plan fits its budget: its measured peak is within the prediction error of the budget
         assert c["peak_bytes"] <= c["budget_bytes"] * (1 + bench.PLANNER_PREDICTION_ERROR), c
+        assert c["vs_best"] is not None, c  # the plan also ran step by step against its best rival
 
 
 def test_costs_that_cannot_be_measured_fail_only_the_planner(monkeypatch):
