@@ -245,6 +245,7 @@ def test_infeasible_budgets_say_why():
     got = plan(costs, link, lowest - 1, base_bytes=MB)
     assert not got.feasible and got.predicted_peak_bytes == lowest
     assert f"needs {lowest} bytes > budget {lowest - 1} bytes" in got.why and "even the plan" in got.why
+    assert f"({got.summary()})" in got.why  # the lowest plan in the words every report uses
     assert "infeasible" in str(got)
     got = plan(costs, link, 10, base_bytes=11)
     assert not got.feasible and "base_bytes=11 alone exceed the budget of 10 bytes" in got.why

@@ -450,13 +450,6 @@ def _validate(costs: Sequence[LayerCost], link: LinkCost, base_bytes: int) -> li
     return costs
 
 
-def _summary(choices: tuple[Choice, ...]) -> str:
-    for c in Choice:
-        if all(x is c for x in choices):
-            return f"{c.value} every layer"
-    return ", ".join(f"{c.value} {choices.count(c)}" for c in Choice if c in choices)
-
-
 def _undo_free_recomputations(choices: tuple[Choice, ...], caps: tuple[int | None, ...], costs: Sequence[LayerCost],
                               link: LinkCost, base_bytes: int, rounded_ms: float, peak: int) -> tuple[Choice, ...]:
     """``choices`` with every RECOMPUTE turned back into KEEP where that costs neither time nor peak.
@@ -531,7 +524,8 @@ def plan(costs: Sequence[LayerCost], link: LinkCost, budget_bytes: int, base_byt
     if base_bytes > budget_bytes:
         why = f"base_bytes={base_bytes} alone exceed the budget of {budget_bytes} bytes"
     else:
-        why = (f"even the plan with the lowest peak ({_summary(ch)}) needs {peak} bytes > budget {budget_bytes} "
+        lowest = Plan(ch, peak, ms, caps=caps).summary()
+        why = (f"even the plan with the lowest peak ({lowest}) needs {peak} bytes > budget {budget_bytes} "
                f"bytes ({base_bytes} of them base_bytes)" + ("; OFFLOAD limited to a prefix" if prefix_only else ""))
     return Plan(ch, peak, ms, False, why, budget_bytes, caps)
 
