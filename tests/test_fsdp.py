@@ -457,3 +457,5 @@ def test_the_ratio_cell_says_why_it_has_no_ratio():
     assert _ratio_cell({"saving_ratio": 0.987, "saving_bytes": 10}) == "98.7%"
     assert _ratio_cell({"saving_ratio": None, "saving_bytes": None}) == "n/a (no CUDA)"
     assert _ratio_cell({"saving_ratio": None, "saving_bytes": 7 * 2**30}) == "n/a (nothing offloaded)"
+    # recomputed layers free bytes the offload theory does not count: no ratio (it read 447.7 % once)
+    assert _ratio_cell({"saving_ratio": None, "saving_bytes": 7 * 2**30, "recomputes": True}) == "n/a (recomputes too)"

@@ -449,9 +449,12 @@ def _run_rank(rank: int, config: FsdpConfig, device: torch.device, verbose: bool
         "params_compared": len(base["params"]),
         "max_abs_diff": max(grad_diff, param_diff),
     }
+    # recomputed layers free bytes too, which the engine's theory (its offloads) does not count
+    out["recomputes"] = bool(config.checkpoint) or (chosen is not None and RECOMPUTE in chosen.choices)
     if base["activation_peak_bytes"] is not None:
         saving = base["activation_peak_bytes"] - off["activation_peak_bytes"]
-        out.update(saving_bytes=saving, saving_ratio=saving / theory.saving if theory.saving else None)
+        ratio = saving / theory.saving if theory.saving and not out["recomputes"] else None
+        out.update(saving_bytes=saving, saving_ratio=ratio)
     if chosen is not None:
         out["plan"] = _plan_results(chosen, keep_all, base, off)
     if "streams" in off:
@@ -664,10 +667,13 @@ def _ms(value: float | None) -> str:
 
 
 def _ratio_cell(rank: dict[str, Any]) -> str:
-    """Measured saving over theory, or why there is none: no peak without CUDA, no theory when nothing is offloaded."""
+    """Measured saving over theory, or why there is none: no peak without CUDA, a saving that recomputation
+    adds to (the theory counts offloads only; a plan's own prediction is on its line), nothing offloaded."""
     if rank["saving_ratio"] is not None:
         return f"{rank['saving_ratio']:.1%}"
-    return "n/a (no CUDA)" if rank["saving_bytes"] is None else "n/a (nothing offloaded)"
+    if rank["saving_bytes"] is None:
+        return "n/a (no CUDA)"
+    return "n/a (recomputes too)" if rank.get("recomputes") else "n/a (nothing offloaded)"
 
 
 def format_report(report: dict[str, Any]) -> str:
