@@ -121,7 +121,9 @@ def test_check_planner_by_hand():
     (check,) = bench.check_planner(results)
     assert check["vs_best"] is None and check["time_met"] is False
     planner["vs_best"] = {"strategy": "checkpoint", "k": 2, "status": "failed", "reason": "RuntimeError: x"}
-    assert bench.check_planner(results)[0]["vs_best"] is None
+    (check,) = bench.check_planner(results)
+    assert check["vs_best"] is None and check["vs_best_failed"] == "RuntimeError: x"
+    assert "failed: RuntimeError: x" in bench._planner_markdown([check])  # not a bare n/a
     del planner["vs_best"]
     planner.update(overhead=0.0, peak_error=0.06)
     assert bench.check_planner(results)[0]["peak_error_met"] is False

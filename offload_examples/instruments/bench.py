@@ -94,8 +94,9 @@ TE_DEFAULT_PATH = "no offload, TE's default path"
 
 #: The pure strategies whose budgets the planner runs under (its offload-only and recompute-only curves).
 PLANNER_BUDGETS = ("engine", "checkpoint")
-#: :func:`check_planner`'s limits: the planner's paired overhead may exceed the best pure strategy's
-#: by this much (step-to-step noise), and its predicted peak and step may miss the measured ones by this much.
+#: :func:`check_planner`'s limits: the plan's step may exceed the best pure run's by this much (the median of
+#: their alternating steps' ratios; step-to-step noise), and its predicted peak and step may miss the
+#: measured ones by this much.
 PLANNER_TIME_NOISE = 0.02
 PLANNER_PREDICTION_ERROR = 0.05
 #: Measured peaks this close (relative) count as the same: a plan equal in bytes to a pure run also has
@@ -706,18 +707,19 @@ def _pair_plans_with_rivals(runs: list[dict[str, Any]], model: nn.ModuleList, x:
         if key not in measured:
             bar.show(f"plan of {run['budget_from']} k={run['k']} against {best['strategy']} k={best['k']}, "
                      "pair by pair")
-            chosen = Plan(tuple(run["choices"]), run["predicted_peak_bytes"], run["predicted_step_ms"],
-                          caps=tuple(run["caps"]))
-            measured[key] = _plan_against(chosen, run["k"], best, model, x, device, steps)
+            measured[key] = _plan_against(run, best, model, x, device, steps)
         run["vs_best"] = measured[key]
 
 
-def _plan_against(chosen: Plan, k: int, best: dict[str, Any], model: nn.ModuleList, x: torch.Tensor,
+def _plan_against(run: dict[str, Any], best: dict[str, Any], model: nn.ModuleList, x: torch.Tensor,
                   device: torch.device, steps: dict) -> dict[str, Any]:
-    """``chosen``'s steps alternating with those of the pure run ``best``: the median of plan / best - 1."""
+    """The planner ``run``'s plan, its steps alternating with those of the pure run ``best``: the median of
+    plan / best - 1 (``status`` "failed" and the ``reason`` when it could not run)."""
     engines = []
     try:
-        plan_forward, engine = make_forward("planner", model, k, device, chosen)
+        chosen = Plan(tuple(run["choices"]), run["predicted_peak_bytes"], run["predicted_step_ms"],
+                      caps=tuple(run["caps"]))
+        plan_forward, engine = make_forward("planner", model, run["k"], device, chosen)
         engines.append(engine)
         best_forward, engine = make_forward(best["strategy"], model, best["k"], device)
         engines.append(engine)
@@ -727,7 +729,7 @@ def _plan_against(chosen: Plan, k: int, best: dict[str, Any], model: nn.ModuleLi
         return {"strategy": best["strategy"], "k": best["k"], "status": "ok", "ratio": statistics.median(pairs),
                 "quartiles": _quartiles(pairs), "pairs": len(pairs), "plan_ms": plan_m.median_ms,
                 "best_ms": statistics.median(best_ms)}
-    except Exception as err:  # the check falls back on the separate overheads, and says so
+    except Exception as err:  # the check falls back on the separate overheads, and its table says why
         return {"strategy": best["strategy"], "k": best["k"], "status": "failed",
                 "reason": f"{type(err).__name__}: {err}"}
     finally:
@@ -742,8 +744,8 @@ def _planner_check(run: dict[str, Any], runs: list[dict[str, Any]], timed: bool)
     best, source = _best_rival(run, runs)
     peak = run["peak_bytes"]
     vs = run.get("vs_best")
-    if vs is not None and (best is None or vs["status"] != "ok" or (vs["strategy"], vs["k"]) != (best["strategy"],
-                                                                                                 best["k"])):
+    failed = vs["reason"] if vs is not None and vs["status"] != "ok" else None
+    if vs is not None and (best is None or failed or (vs["strategy"], vs["k"]) != (best["strategy"], best["k"])):
         vs = None
     check = {
         "k": run["k"], "budget_from": run["budget_from"], "budget_bytes": run["budget_bytes"], "plan": run["plan"],
@@ -754,6 +756,7 @@ def _planner_check(run: dict[str, Any], runs: list[dict[str, Any]], timed: bool)
         # plan / best - 1 from their alternating steps (None where they did not run so)
         "vs_best": None if vs is None else vs["ratio"],
         "vs_best_quartiles": None if vs is None else vs["quartiles"],
+        "vs_best_failed": failed,  # why the alternating steps did not run (then the separate overheads decide)
         "time_met": None if best is None or not timed
         else (vs["ratio"] if vs is not None else run["overhead"] - best["overhead"]) <= PLANNER_TIME_NOISE,
         "peak_error": run["peak_error"], "step_error": run["step_error"],
@@ -799,9 +802,10 @@ def check_planner(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _model_units(config: BenchConfig) -> int:
-    """Progress units of one model: its no-offload run, then each strategy (each planner budget) per k."""
+    """Progress units of one model: its no-offload run, TE's context alone, each strategy (each planner
+    budget) per k, and the plans against their rivals at the end."""
     per_k = sum({"no offload": 0, "planner": len(PLANNER_BUDGETS)}.get(s, 1) for s in config.strategies)
-    planner = "planner" in config.strategies  # its costs, and the plans against their rivals at the end
+    planner = "planner" in config.strategies  # the plans against their rivals, after every k
     return 1 + ("transformer_engine" in config.strategies) + planner + len(config.ks) * per_k
 
 
@@ -1044,7 +1048,8 @@ def _planner_markdown(checks: list[dict[str, Any]]) -> str:
                      _pct(c["overhead"], True),
                      "none" if best is None else f"{best['strategy']} k={best['k']}: {_gib(best['peak_bytes'])} GiB, "
                                                  f"{best['overhead']:+.1%}",
-                     "n/a" if vs is None else f"{vs:+.1%} ({q[0]:+.1%} .. {q[1]:+.1%})",
+                     (f"failed: {c['vs_best_failed']}" if c.get("vs_best_failed") else "n/a") if vs is None
+                     else f"{vs:+.1%} ({q[0]:+.1%} .. {q[1]:+.1%})",
                      verdict(c["time_met"]), _pct(c["peak_error"], True), _pct(c["step_error"], True),
                      verdict(c["within_budget_run"]), verdict(c["met"])])
     header = ["model", "budget of", "plan", "peak GiB", "overhead", "best pure run at >= its peak, within budget",
