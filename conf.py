@@ -102,6 +102,9 @@ stored_sources = {
     "plan-bench16": "docs/runs/2026-11-24-h100-session16/bench_planner/bench.json",
     "uncapped16": "docs/runs/2026-11-24-h100-session16/uncapped_plans.txt",
     "gpu-session16": "docs/runs/2026-11-24-h100-session16/README.md",
+    # each plan alternating step by step with its best rival (the planner's time check since dd22984)
+    "plan-bench17": "docs/runs/2026-11-25-h100-session17/bench_planner/bench.json",
+    "gpu-session17": "docs/runs/2026-11-25-h100-session17/README.md",
 }
 
 extensions = [

@@ -779,7 +779,7 @@ def check_planner(results: dict[str, Any]) -> list[dict[str, Any]]:
 
     - its measured peak is at most that of the run its budget came from,
     - its step is at most the best rival's plus ``PLANNER_TIME_NOISE``: the median of plan / rival - 1
-      over their alternating steps (``vs_best``, :func:`_pair_plans_with_rivals`); where those did not
+      over their alternating steps (``vs_best``, measured after all runs of the model); where those did not
       run, its paired overhead against the rival's, and
     - ``|peak_error|`` and ``|step_error|`` are at most ``PLANNER_PREDICTION_ERROR``.
 
