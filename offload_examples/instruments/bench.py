@@ -457,18 +457,26 @@ def _head_to_head(model: nn.ModuleList, x: torch.Tensor, k: int, device: torch.d
     try:
         te_forward, _ = make_forward("transformer_engine", model, k, device)
         engine_forward, engine = make_forward("engine", model, k, device)
-        measured, te_ms = measure_paired(model, x, _step(te_forward, x), _step(engine_forward, x),
-                                         label="engine vs TE", **steps)
-        pairs = sorted(t / r - 1 for t, r in zip(measured.step_ms, te_ms))
-        return {"k": k, "status": "ok", "pairs": len(pairs), "engine_vs_te": statistics.median(pairs),
-                "quartiles": _quartiles(pairs),
-                "engine_ms": measured.median_ms, "te_ms": statistics.median(te_ms)}
+        a = _alternating(model, x, te_forward, engine_forward, "engine vs TE", steps)
+        return {"k": k, "status": "ok", "pairs": a["pairs"], "engine_vs_te": a["ratio"], "quartiles": a["quartiles"],
+                "engine_ms": a["candidate_ms"], "te_ms": a["reference_ms"]}
     except Exception as err:  # reported in the targets; the benchmark goes on
         return {"k": k, "status": "failed", "reason": f"{type(err).__name__}: {err}"}
     finally:
         model.zero_grad(set_to_none=True)
         x.grad = None
         _free(engine)
+
+
+def _alternating(model: nn.ModuleList, x: torch.Tensor, reference: Forward, candidate: Forward, label: str,
+                 steps: dict) -> dict[str, Any]:
+    """``candidate``'s steps alternating with ``reference``'s: the median over the pairs of candidate /
+    reference - 1 (``ratio``), its quartiles, and each one's median step (ms)."""
+    measured, reference_ms = measure_paired(model, x, _step(reference, x), _step(candidate, x), label=label,
+                                            **steps)
+    pairs = sorted(c / r - 1 for c, r in zip(measured.step_ms, reference_ms))
+    return {"ratio": statistics.median(pairs), "quartiles": _quartiles(pairs), "pairs": len(pairs),
+            "candidate_ms": measured.median_ms, "reference_ms": statistics.median(reference_ms)}
 
 
 def _quartiles(ordered: Sequence[float]) -> list[float]:
@@ -723,12 +731,10 @@ def _plan_against(run: dict[str, Any], best: dict[str, Any], model: nn.ModuleLis
         engines.append(engine)
         best_forward, engine = make_forward(best["strategy"], model, best["k"], device)
         engines.append(engine)
-        plan_m, best_ms = measure_paired(model, x, _step(best_forward, x), _step(plan_forward, x),
-                                         label=f"plan vs {best['strategy']}", **steps)
-        pairs = sorted(p / b - 1 for p, b in zip(plan_m.step_ms, best_ms))
-        return {"strategy": best["strategy"], "k": best["k"], "status": "ok", "ratio": statistics.median(pairs),
-                "quartiles": _quartiles(pairs), "pairs": len(pairs), "plan_ms": plan_m.median_ms,
-                "best_ms": statistics.median(best_ms)}
+        a = _alternating(model, x, best_forward, plan_forward, f"plan vs {best['strategy']}", steps)
+        return {"strategy": best["strategy"], "k": best["k"], "status": "ok", "ratio": a["ratio"],
+                "quartiles": a["quartiles"], "pairs": a["pairs"], "plan_ms": a["candidate_ms"],
+                "best_ms": a["reference_ms"]}
     except Exception as err:  # the check falls back on the separate overheads, and its table says why
         return {"strategy": best["strategy"], "k": best["k"], "status": "failed",
                 "reason": f"{type(err).__name__}: {err}"}
