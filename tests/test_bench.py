@@ -354,7 +354,8 @@ def test_the_step_by_step_comparison_with_transformer_engine_decides_the_overhea
 
 
 def test_head_to_head_alternates_the_two_forwards(monkeypatch):
-    """The pairing itself, on the CPU with two stand-in strategies: TE's step is the reference."""
+    """The pairing itself, on the CPU with two stand-in strategies: TE's step is the reference, and the
+    pairs take turns at which of the two runs first."""
     model = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(3)])
     x = torch.randn(4, 8, requires_grad=True)
     order = []
@@ -369,8 +370,47 @@ def test_head_to_head_alternates_the_two_forwards(monkeypatch):
     monkeypatch.setattr(bench, "make_forward", fake)
     h = bench._head_to_head(model, x, 1, torch.device("cpu"), dict(steps=3, warmup=1))
     assert h["status"] == "ok" and h["pairs"] == 3 and h["k"] == 1
-    assert order == ["te", "engine"] * 4
+    # the pairs take turns at which step goes first, so neither always follows the other
+    assert order == ["engine", "te", "te", "engine"] * 2
     assert h["quartiles"][0] <= h["engine_vs_te"] <= h["quartiles"][1]
+
+
+def test_measure_paired_takes_turns_at_going_first():
+    """measure_paired is measure_round_robin with two runs: the pairs alternate which step goes first,
+    the reference's times line up pair by pair, and the Measurement is the step's, under its label."""
+    from offload_examples.instruments.measure import measure_paired, measure_steps
+
+    torch.manual_seed(0)
+    layers, x = build_linear_stack(2, 8), torch.randn(2, 8, requires_grad=True)
+    calls: list[str] = []
+    m, reference_ms = measure_paired(layers, x, lambda: calls.append("ref") or training_step(layers, x),
+                                     lambda: calls.append("step") or training_step(layers, 2 * x),
+                                     steps=4, warmup=1, label="mine")
+    assert calls == ["step", "ref"] + ["ref", "step", "step", "ref"] * 2
+    assert m.label == "mine" and len(m.step_ms) == len(reference_ms) == 4
+    alone = measure_steps(layers, x, steps=1, warmup=0, step=lambda: training_step(layers, 2 * x))
+    assert torch.equal(m.output, alone.output) and torch.equal(m.grads["input"], alone.grads["input"])
+
+
+def test_link_bandwidth_keeps_each_directions_fastest_round(monkeypatch):
+    """link_bandwidth times the three figures in rounds taken in turn and keeps each one's fastest: a
+    slow first round (the link not yet at speed) does not become the run's link."""
+    from offload_examples.instruments import bandwidth
+
+    speeds = {"h2d": iter([48.0, 55.0, 54.0]), "d2h": iter([52.0, 51.0, 55.1]), "both": iter([68.0, 90.0, 93.0])}
+    order = []
+
+    def copy(nbytes, direction, pinned, repeats):
+        order.append(direction)
+        return bandwidth.CopyTiming(nbytes, direction, pinned, nbytes / next(speeds[direction]) / 1e6)
+
+    monkeypatch.setattr(bandwidth, "copy_bandwidth", copy)
+    monkeypatch.setattr(bandwidth, "bidirectional_gb_per_s", lambda nbytes, repeats: order.append("both") or next(speeds["both"]))
+    got = bandwidth.link_bandwidth(2**20, repeats=1, rounds=3)
+    assert order == ["h2d", "d2h", "both"] * 3
+    assert got == pytest.approx({"h2d": 55.0, "d2h": 55.1, "both": 93.0})
+    with pytest.raises(ValueError, match="rounds >= 1"):
+        bandwidth.link_bandwidth(rounds=0)
 
 
 def test_round_robin_takes_turns_and_keeps_each_runs_last_step():

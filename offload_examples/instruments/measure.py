@@ -8,6 +8,7 @@ or with ``time.perf_counter`` on the CPU.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -203,36 +204,19 @@ def measure_paired(
     Run-to-run drift of a GPU (clocks, temperature, neighbours) is often as large as the
     overheads being measured. Alternating the two steps exposes both to the same drift, so the
     ratio of each pair (:func:`paired_overhead`) is far steadier than the ratio of two separate runs.
+    The pairs take turns at which step goes first (:func:`measure_round_robin` with two runs), so
+    that what a step leaves to the next (the host's caches and garbage, the allocator's state) falls
+    on both alike; give an even ``steps`` for as many pairs of each order.
 
     Returns
     -------
     tuple
-        The :class:`Measurement` of ``step`` (peak memory over its measured steps only) and the
-        reference's step times, pair by pair.
+        The :class:`Measurement` of ``step`` (its memory measured as :func:`measure_round_robin`
+        measures it) and the reference's step times, pair by pair.
     """
-    if steps < 1 or warmup < 0:
-        raise ValueError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
-    cuda = x.is_cuda
-    times: list[float] = []
-    reference_ms: list[float] = []
-    peak = baseline = None
-    for i in range(warmup + steps):
-        _zero_grads(model, x)
-        out = None  # outputs kept from earlier steps would count in this step's peak
-        ref_ms, _ = _timed(reference, cuda)
-        del _
-        _zero_grads(model, x)
-        if cuda:
-            torch.cuda.synchronize()
-            baseline = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-        ms, out = _timed(step, cuda)
-        if i >= warmup:
-            times.append(ms)
-            reference_ms.append(ref_ms)
-            if cuda:
-                peak = max(peak or 0, torch.cuda.max_memory_allocated())
-    return _finish(label, model, x, times, peak, baseline, out), reference_ms
+    measured = measure_round_robin({"reference": (model, x, reference), "step": (model, x, step)},
+                                   steps=steps, warmup=warmup)
+    return dataclasses.replace(measured["step"], label=label), measured["reference"].step_ms
 
 
 #: One run of :func:`measure_round_robin`: its layers, its input, and a callable that runs one training step

@@ -36,7 +36,7 @@ from torch import nn
 from offload_examples.core.api import get_cpu_offload_context
 from offload_examples.core.engine import OffloadEngine
 from offload_examples.features.planner import TIME_FIELDS, Checkpointed, LayerCost, LinkCost, offload_schedule
-from offload_examples.instruments.measure import training_step
+from offload_examples.instruments.measure import balanced_orders, training_step
 from offload_examples.instruments.timeline import Span, per_layer_ms, record_layer_timeline
 
 __all__ = ["measure_costs", "measure_link"]
@@ -260,8 +260,13 @@ def _per_choice(costs: list[LayerCost], layers: Sequence[nn.Module], x: torch.Te
             timed[name], engine = _hook_free_step(run_layers, x, offloaded, layers)
             engines.append(engine)
             timed[name]()  # warm-up: pins the host buffers, which the next steps reuse
-        for _ in range(steps):
-            rounds.append({name: _busy_ms(step(), n) for name, step in timed.items()})
+        # Each round runs every step once, in the balanced orders taken in turn: a step can inherit
+        # work from the one before it (the host's garbage, the allocator's state after an offloading
+        # step), and in a fixed order the same run would always inherit it.
+        names, orders = list(timed), balanced_orders(len(timed))
+        for r in range(steps):
+            order = [names[i] for i in orders[r % len(orders)]]
+            rounds.append({name: _busy_ms(timed[name](), n) for name in order})
     finally:
         _zero(layers, x)
         for engine in engines:
