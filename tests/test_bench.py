@@ -388,6 +388,11 @@ def test_measure_paired_takes_turns_at_going_first():
                                      steps=4, warmup=1, label="mine")
     assert calls == ["step", "ref"] + ["ref", "step", "step", "ref"] * 2
     assert m.label == "mine" and len(m.step_ms) == len(reference_ms) == 4
+    # an odd count is rounded up, so that both orders come equally often
+    calls.clear()
+    m, reference_ms = measure_paired(layers, x, lambda: calls.append("ref") or training_step(layers, x),
+                                     lambda: calls.append("step") or training_step(layers, x), steps=3, warmup=0)
+    assert len(m.step_ms) == len(reference_ms) == 4 and calls == ["ref", "step", "step", "ref"] * 2
     alone = measure_steps(layers, x, steps=1, warmup=0, step=lambda: training_step(layers, 2 * x))
     assert torch.equal(m.output, alone.output) and torch.equal(m.grads["input"], alone.grads["input"])
 

@@ -21,7 +21,7 @@ schedule predicts for the same ``k`` from the bytes each layer's forward holds, 
 allocator; on a CPU, from the engine's own count), the median step time (CUDA events, after
 warm-up) and its ratio to the baseline. For the engine it also has the *copy bound*: the step
 time the schedule allows when copies run at the pinned bandwidth measured at the start of the
-run and compute takes what the baseline's layers took (:meth:`DefaultSchedule.predict_step_ms`),
+run (the fastest of three rounds) and compute takes what the baseline's layers took (:meth:`DefaultSchedule.predict_step_ms`),
 and the bandwidth its copies achieved. Output: JSON, a Markdown table and plots.
 
 Run it::

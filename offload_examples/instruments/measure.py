@@ -206,7 +206,8 @@ def measure_paired(
     ratio of each pair (:func:`paired_overhead`) is far steadier than the ratio of two separate runs.
     The pairs take turns at which step goes first (:func:`measure_round_robin` with two runs), so
     that what a step leaves to the next (the host's caches and garbage, the allocator's state) falls
-    on both alike; give an even ``steps`` for as many pairs of each order.
+    on both alike. An odd ``steps`` is rounded up to the next even number: with one order more often
+    than the other, the median of the pairs' ratios would lean to that order's.
 
     Returns
     -------
@@ -215,7 +216,7 @@ def measure_paired(
         measures it) and the reference's step times, pair by pair.
     """
     measured = measure_round_robin({"reference": (model, x, reference), "step": (model, x, step)},
-                                   steps=steps, warmup=warmup)
+                                   steps=steps + steps % 2, warmup=warmup)
     return dataclasses.replace(measured["step"], label=label), measured["reference"].step_ms
 
 
@@ -229,7 +230,9 @@ def balanced_orders(n: int) -> list[list[int]]:
 
     Taking the rows in turn, every run holds every position, and follows every other run, as often as
     any other: what a step leaves to the next (caches, clocks, the allocator's state) then falls on all
-    runs alike. ``n`` rows for an even ``n``, ``2 n`` for an odd one.
+    runs alike. ``n`` rows for an even ``n``, ``2 n`` for an odd one. The balance holds within rows:
+    where rows run back to back, the step that ends one row and the one that starts the next are a
+    pair it does not balance.
     """
     base, low, high = [0], 1, n - 1
     while len(base) < n:  # 0, 1, n-1, 2, n-2, ...
