@@ -105,6 +105,10 @@ stored_sources = {
     # each plan alternating step by step with its best rival (the planner's time check since dd22984)
     "plan-bench17": "docs/runs/2026-11-25-h100-session17/bench_planner/bench.json",
     "gpu-session17": "docs/runs/2026-11-25-h100-session17/README.md",
+    # pairs taking turns at going first, cost rounds in balanced orders, the link's fastest round (b1b2647)
+    "plan-bench18": "docs/runs/2026-11-25-h100-session18/bench_planner/bench.json",
+    "te-bench18": "docs/runs/2026-11-25-h100-session18/bench_planner/bench.json#models[A]",
+    "gpu-session18": "docs/runs/2026-11-25-h100-session18/README.md",
 }
 
 extensions = [
