@@ -709,3 +709,61 @@ def test_an_applied_cap_offloads_what_the_model_says(data):
     ctx = applied[0]
     assert [s.offloaded_bytes for s in ctx.stats[:k]] == [capped_bytes(c, p) for c, p in zip(costs, chosen.caps[:k])]
     assert ctx.stats[k - 1].offloaded_bytes == cap < costs[k - 1].saved_bytes
+
+
+class _TwoModules(torch.nn.Module):
+    """``a``, then ``b`` (a Linear and a Tanh), then a ReLU in the layer's own forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(256, 256)
+        self.b = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh())
+
+    def forward(self, x):
+        return torch.relu(self.b(self.a(x)))
+
+
+def test_measured_costs_name_the_module_that_saved_each_storage():
+    """measure_costs records, per storage, the innermost submodule whose forward saved it first ("" for
+    the layer's own forward), from a hooked warm-up step whose hooks are gone before the timed steps."""
+    from offload_examples.instruments.plan_costs import measure_costs
+
+    torch.manual_seed(0)
+    layers = [_TwoModules(), _TwoModules()]
+    costs, _ = measure_costs(layers, torch.randn(2048, 256, requires_grad=True), steps=1, per_choice=False)
+    # layer 0's input is the caller's (kept); layer 1's is layer 0's output, saved by its ``a``
+    assert [c.storage_modules for c in costs] == [("b.0", "b.1", ""), ("a", "b.0", "b.1", "")]
+    assert all(len(c.storage_modules) == len(c.storage_bytes) for c in costs)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for layer in layers for m in layer.modules())
+
+
+def test_a_cap_is_said_in_modules_and_printed_with_the_plan():
+    """cap_in_modules names the modules whose storages a cap takes (the engine's rule: each storage
+    that still fits), "part of" where it takes some of a module's; plan() puts that in the printed plan
+    and its dict; without storage_modules it is unknown (None)."""
+    mib = 2**20
+    cost = LayerCost(1.0, 1.0, 60 * mib, 4 * mib, storage_bytes=(10 * mib, 20 * mib, 30 * mib),
+                     storage_modules=("attn.qkv", "attn.core", ""))
+    assert planner.cap_in_modules(cost, 10 * mib) == "attn.qkv"
+    assert planner.cap_in_modules(cost, 29 * mib) == "attn.qkv"
+    assert planner.cap_in_modules(cost, 30 * mib) == "attn.qkv, attn.core"
+    assert planner.cap_in_modules(cost, 40 * mib) == "attn.qkv, attn.core"
+    skipping = LayerCost(1.0, 1.0, 45 * mib, 4 * mib, storage_bytes=(10 * mib, 30 * mib, 5 * mib),
+                         storage_modules=("attn.qkv", "attn.core", ""))
+    assert planner.cap_in_modules(skipping, 20 * mib) == "attn.qkv, (the layer's own forward)"  # 30 MiB skipped
+    assert planner.cap_in_modules(dataclasses.replace(cost, storage_modules=None), 10 * mib) is None
+    shared = dataclasses.replace(cost, storage_modules=("mlp", "mlp", "norm"))
+    assert planner.cap_in_modules(shared, 10 * mib) == "part of mlp"
+    with pytest.raises(ValueError, match="one module"):
+        dataclasses.replace(cost, storage_modules=("a", "b"))
+    chosen = Plan((OFFLOAD, KEEP), 1, 2.0, caps=(30 * mib, None), parts=("attn.qkv, attn.core", None))
+    assert "    0  offload up to 30.00 MiB: attn.qkv, attn.core\n    1  keep" in str(chosen)
+    assert Plan.from_dict(json.loads(json.dumps(chosen.to_dict()))) == chosen
+    with pytest.raises(ValueError, match="one only where the layer has a cap"):
+        Plan((OFFLOAD, KEEP), 1, 2.0, parts=("attn.qkv", None))
+    # the planner fills them in: a budget that only a cap meets
+    # the planner fills them in, where a whole layer's copies would stall the step
+    slow = dataclasses.replace(cost, forward_ms=5.0, backward_ms=10.0)
+    costs = [slow, dataclasses.replace(slow, storage_modules=None), LayerCost(5.0, 10.0, 60 * mib, 4 * mib)]
+    capped = [p for p in planner.pareto(costs, LinkCost(5.0, 5.0, 10.0)) if p.capped]
+    assert [p.parts for p in capped] == [("attn.qkv, attn.core", None, None), ("attn.qkv", None, None)]

@@ -18,7 +18,8 @@ The step modelled is :class:`~offload_examples.core.schedule.DefaultSchedule`'s:
   storages it saves first, each while it fits under the cap (``max_offload_bytes_per_layer``), and the
   rest stay on the device as when kept. The sizes come from ``LayerCost.storage_bytes``; a cap tops up
   what the other layers free by just the bytes a budget still needs, with copies that may fit behind
-  compute where a whole layer's would not.
+  compute where a whole layer's would not. Where ``LayerCost.storage_modules`` is known, the plan
+  also says which submodules saved what the cap takes (``Plan.parts``, :func:`cap_in_modules`).
 
 Peak memory is ``base_bytes`` plus the most saved bytes resident at any phase
 (:meth:`DefaultSchedule.simulate`, plus a recomputed layer's ``saved_bytes`` during its backward);
@@ -50,7 +51,7 @@ from ..core.te_path import recompute_on_same_path
 
 __all__ = [
     "KEEP", "OFFLOAD", "RECOMPUTE", "Checkpointed", "Choice", "LayerCost", "LinkCost", "Plan", "SubsetSchedule",
-    "apply_plan", "capped_bytes", "offload_schedule", "pareto", "partial_caps", "plan", "simulate_plan",
+    "apply_plan", "cap_in_modules", "capped_bytes", "offload_schedule", "pareto", "partial_caps", "plan", "simulate_plan",
 ]
 
 #: ``prefix_only=False`` tries all ``3^N`` plans; beyond this many layers it refuses.
@@ -105,6 +106,10 @@ class LayerCost:
     #: (they add up to ``saved_bytes``): what a byte cap offloads (:func:`capped_bytes`). ``None``: the
     #: layer is offloaded whole or not at all.
     storage_bytes: tuple[int, ...] | None = None
+    #: For each storage in ``storage_bytes``, the submodule (its name inside the layer) whose forward
+    #: saved it first, the innermost one; ``""`` for the layer's own forward. What a byte cap offloads,
+    #: said in modules (:func:`cap_in_modules`). ``None``: unknown.
+    storage_modules: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         for name, kind in (("forward_ms", float), ("backward_ms", float), ("saved_bytes", int), ("input_bytes", int),
@@ -118,6 +123,12 @@ class LayerCost:
                 _check("LayerCost", "storage_bytes[i]", size, int)
             if sum(sizes) != self.saved_bytes:
                 raise ValueError(f"LayerCost.storage_bytes add up to {sum(sizes)}, not saved_bytes={self.saved_bytes}")
+        if self.storage_modules is not None:
+            names = tuple(self.storage_modules)
+            object.__setattr__(self, "storage_modules", names)
+            if self.storage_bytes is None or len(names) != len(self.storage_bytes) \
+                    or not all(isinstance(name, str) for name in names):
+                raise ValueError("LayerCost.storage_modules must name one module (a str) per entry of storage_bytes")
 
     def scaled(self, factor: float) -> LayerCost:
         """The same costs with every time multiplied by ``factor`` (the bytes unchanged)."""
@@ -139,18 +150,43 @@ class LayerCost:
         return self.forward_ms, self.backward_ms
 
 
+def _taken(cost: LayerCost, cap: int) -> list[bool]:
+    """Which of the layer's storages the engine offloads under ``cap``: in save order, each one that
+    still fits (``max_offload_bytes_per_layer``)."""
+    if cost.storage_bytes is None:
+        raise ValueError("a byte cap needs the layer's LayerCost.storage_bytes (measure_costs records them)")
+    total, taken = 0, []
+    for size in cost.storage_bytes:
+        taken.append(total + size <= cap)
+        total += size if taken[-1] else 0
+    return taken
+
+
 def capped_bytes(cost: LayerCost, cap: int | None) -> int:
     """The bytes the engine offloads of a layer under a byte cap: its storages in save order, each
     while it still fits (``max_offload_bytes_per_layer``); ``saved_bytes`` without a cap."""
     if cap is None:
         return cost.saved_bytes
-    if cost.storage_bytes is None:
-        raise ValueError("a byte cap needs the layer's LayerCost.storage_bytes (measure_costs records them)")
-    total = 0
-    for size in cost.storage_bytes:
-        if total + size <= cap:
-            total += size
-    return total
+    return sum(size for size, t in zip(cost.storage_bytes, _taken(cost, cap)) if t)
+
+
+def cap_in_modules(cost: LayerCost, cap: int) -> str | None:
+    """What a byte cap offloads of a layer, in the names of the submodules that saved it.
+
+    Each module whose storages the cap takes, in the order the forward first saves into them:
+    ``"linear, transformer.self_attn, part of transformer.linear1"`` (``"(the layer's own forward)"``
+    for what the layer saves outside its submodules). ``None`` when ``cost.storage_modules`` is unknown.
+    """
+    if cost.storage_modules is None:
+        return None
+    counts: dict[str, list[int]] = {}  # module -> [storages taken, storages]
+    for name, t in zip(cost.storage_modules, _taken(cost, cap)):
+        counts.setdefault(name, [0, 0])
+        counts[name][0] += t
+        counts[name][1] += 1
+    words = [("" if taken == total else "part of ") + (name or "(the layer's own forward)")
+             for name, (taken, total) in counts.items() if taken]
+    return ", ".join(words)
 
 
 def partial_caps(cost: LayerCost) -> tuple[int, ...]:
@@ -272,10 +308,17 @@ class Plan:
     why: str = ""
     budget_bytes: int | None = None
     caps: tuple[int | None, ...] = ()
+    #: Per layer, what its cap offloads in module names (:func:`cap_in_modules`), or ``None`` (no cap,
+    #: or the modules unknown). :func:`plan` fills it in; printing the plan shows it.
+    parts: tuple[str | None, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "choices", tuple(Choice(c) for c in self.choices))
         object.__setattr__(self, "caps", _checked_caps(self.caps, self.choices))
+        parts = tuple(self.parts) or (None,) * len(self.choices)
+        if len(parts) != len(self.choices) or any(p is not None and cap is None for p, cap in zip(parts, self.caps)):
+            raise ValueError("parts must have one entry per layer, and one only where the layer has a cap")
+        object.__setattr__(self, "parts", parts)
 
     @property
     def offload_prefix(self) -> int | None:
@@ -295,13 +338,13 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         return {"choices": [c.value for c in self.choices], "predicted_peak_bytes": self.predicted_peak_bytes,
                 "predicted_step_ms": self.predicted_step_ms, "feasible": self.feasible, "why": self.why,
-                "budget_bytes": self.budget_bytes, "caps": list(self.caps)}
+                "budget_bytes": self.budget_bytes, "caps": list(self.caps), "parts": list(self.parts)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
         return cls(tuple(data["choices"]), int(data["predicted_peak_bytes"]), float(data["predicted_step_ms"]),
                    bool(data["feasible"]), str(data.get("why", "")), data.get("budget_bytes"),
-                   tuple(data.get("caps") or ()))
+                   tuple(data.get("caps") or ()), tuple(data.get("parts") or ()))
 
     def describe(self, layer: int) -> str:
         """``layer``'s choice in words: ``offload``, ``offload up to 96.00 MiB``, ``keep``..."""
@@ -332,7 +375,8 @@ class Plan:
                  f"step {self.predicted_step_ms:.3f} ms")]
         if not self.feasible:
             head.append(f"infeasible: {self.why}")
-        return "\n".join(head + ["layer  choice"] + [f"{i:5d}  {self.describe(i)}" for i in range(len(self.choices))])
+        rows = [f"{i:5d}  {self.describe(i)}" + (f": {part}" if part else "") for i, part in enumerate(self.parts)]
+        return "\n".join(head + ["layer  choice"] + rows)
 
 
 def _nondominated(items: list[tuple], dims: int) -> list[tuple]:
@@ -518,7 +562,7 @@ def plan(costs: Sequence[LayerCost], link: LinkCost, budget_bytes: int, base_byt
         rounded, peak, _, ms, (ch, caps) = front[0]
         ch = _undo_free_recomputations(ch, caps, costs, link, base_bytes, rounded, peak)
         peak, ms = simulate_plan(ch, costs, link, base_bytes, caps)
-        return Plan(ch, peak, ms, True, "", budget_bytes, caps)
+        return Plan(ch, peak, ms, True, "", budget_bytes, caps, _parts(costs, caps))
     _, peak, _, ms, (ch, caps) = min(_front(costs, link, base_bytes, math.inf, prefix_only, partial),
                                      key=lambda p: p[1::-1])
     if base_bytes > budget_bytes:
@@ -527,7 +571,11 @@ def plan(costs: Sequence[LayerCost], link: LinkCost, budget_bytes: int, base_byt
         lowest = Plan(ch, peak, ms, caps=caps).summary()
         why = (f"even the plan with the lowest peak ({lowest}) needs {peak} bytes > budget {budget_bytes} "
                f"bytes ({base_bytes} of them base_bytes)" + ("; OFFLOAD limited to a prefix" if prefix_only else ""))
-    return Plan(ch, peak, ms, False, why, budget_bytes, caps)
+    return Plan(ch, peak, ms, False, why, budget_bytes, caps, _parts(costs, caps))
+
+
+def _parts(costs: Sequence[LayerCost], caps: tuple[int | None, ...]) -> tuple[str | None, ...]:
+    return tuple(None if cap is None else cap_in_modules(c, cap) for c, cap in zip(costs, caps))
 
 
 def pareto(costs: Sequence[LayerCost], link: LinkCost, base_bytes: int = 0, prefix_only: bool = True,
@@ -538,7 +586,8 @@ def pareto(costs: Sequence[LayerCost], link: LinkCost, base_bytes: int = 0, pref
     """
     costs = _validate(costs, link, base_bytes)
     front = _front(costs, link, base_bytes, math.inf, prefix_only, partial)
-    return [Plan(ch, peak, ms, caps=caps) for _, peak, _, ms, (ch, caps) in sorted(front, key=lambda p: p[1::-1])]
+    return [Plan(ch, peak, ms, caps=caps, parts=_parts(costs, caps))
+            for _, peak, _, ms, (ch, caps) in sorted(front, key=lambda p: p[1::-1])]
 
 
 class Checkpointed(nn.Module):

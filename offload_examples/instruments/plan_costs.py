@@ -25,6 +25,7 @@ Typical use::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import statistics
 import time
@@ -92,8 +93,12 @@ def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 20,
         inputs.clear()
         return training_step(layers, x, ctx, sync)
 
+    sites = _SavingModules(layers, ctx)
     try:
-        step()  # warm-up: workspaces, caches, the allocator's blocks
+        try:
+            step()  # warm-up: workspaces, caches, the allocator's blocks; and which module saved what
+        finally:
+            sites.remove()  # its hooks would lengthen every timed forward of a launch-bound layer
         cuda = x.is_cuda
         if cuda:
             torch.cuda.synchronize(x.device)
@@ -104,11 +109,63 @@ def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 20,
             h.remove()
         _zero(layers, x)
     fwd, bwd = _medians(runs, n)
-    costs = [LayerCost(f, b, s.candidate_bytes, inp, storage_bytes=tuple(s.candidate_sizes))
-             for f, b, s, inp in zip(fwd, bwd, ctx.stats, inputs)]
+    costs = [LayerCost(f, b, s.candidate_bytes, inp, storage_bytes=tuple(s.candidate_sizes),
+                       storage_modules=sites.names(i, s.candidate_sizes))
+             for i, (f, b, s, inp) in enumerate(zip(fwd, bwd, ctx.stats, inputs))]
     if per_choice:
         costs = _per_choice(costs, layers, x, steps)
     return (_pooled_by_kind(costs, layers) if pool_kinds else costs), base
+
+
+class _SavingModules:
+    """Which submodule of each layer first saved each storage the probe counts, from one step.
+
+    Hooks around every submodule's forward note how many storages the probe engine had counted for the
+    layer when the forward started and when it ended; a storage belongs to the innermost forward that
+    was running when it was counted (the probe counts a storage when the forward first saves it).
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], engine: OffloadEngine):
+        self.engine = engine
+        self.spans: list[list[tuple[int, int, str]]] = [[] for _ in layers]  # (first, end, name) per call
+        self.sizes: list[list[int] | None] = [None] * len(layers)  # the sizes counted in that step
+        self._open: list[list[tuple[str, int]]] = [[] for _ in layers]
+        self._handles = []
+        for i, layer in enumerate(layers):
+            for name, module in layer.named_modules():
+                if module is not layer:
+                    self._handles.append(module.register_forward_pre_hook(functools.partial(self._enter, i, name)))
+                    self._handles.append(module.register_forward_hook(functools.partial(self._leave, i, name),
+                                                                      always_call=True))
+
+    def _counted(self, i: int) -> int:
+        return len(self.engine.stats[i].candidate_sizes)
+
+    def _enter(self, i: int, name: str, module: nn.Module, args: object) -> None:
+        self._open[i].append((name, self._counted(i)))
+
+    def _leave(self, i: int, name: str, module: nn.Module, args: object, output: object) -> None:
+        if self._open[i] and self._open[i][-1][0] == name:
+            _, first = self._open[i].pop()
+            self.spans[i].append((first, self._counted(i), name))
+            self.sizes[i] = list(self.engine.stats[i].candidate_sizes)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def names(self, i: int, sizes: Sequence[int]) -> tuple[str, ...] | None:
+        """Layer ``i``'s module per storage, or ``None`` when the timed steps counted other storages
+        than the hooked one did (then the hooked step's names could belong to other storages)."""
+        if self.sizes[i] is not None and not list(sizes)[:len(self.sizes[i])] == self.sizes[i]:
+            return None
+        names = []
+        for j in range(len(sizes)):
+            # the innermost call holding storage j: the latest to start, the first to end among those
+            inside = [(first, -end, name) for first, end, name in self.spans[i] if first <= j < end]
+            names.append(max(inside)[2] if inside else "")
+        return tuple(names)
 
 
 def _kind(layer: nn.Module, cost: LayerCost) -> tuple:
