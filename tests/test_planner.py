@@ -759,11 +759,63 @@ def test_a_cap_is_said_in_modules_and_printed_with_the_plan():
     chosen = Plan((OFFLOAD, KEEP), 1, 2.0, caps=(30 * mib, None), parts=("attn.qkv, attn.core", None))
     assert "    0  offload up to 30.00 MiB: attn.qkv, attn.core\n    1  keep" in str(chosen)
     assert Plan.from_dict(json.loads(json.dumps(chosen.to_dict()))) == chosen
-    with pytest.raises(ValueError, match="one only where the layer has a cap"):
-        Plan((OFFLOAD, KEEP), 1, 2.0, parts=("attn.qkv", None))
-    # the planner fills them in: a budget that only a cap meets
+    for parts in (("attn.qkv", None), (7, None)):
+        with pytest.raises(ValueError, match="a str only where the layer has a cap"):
+            Plan((OFFLOAD, KEEP), 1, 2.0, caps=(None, None) if parts[0] == "attn.qkv" else (30 * mib, None), parts=parts)
     # the planner fills them in, where a whole layer's copies would stall the step
     slow = dataclasses.replace(cost, forward_ms=5.0, backward_ms=10.0)
     costs = [slow, dataclasses.replace(slow, storage_modules=None), LayerCost(5.0, 10.0, 60 * mib, 4 * mib)]
     capped = [p for p in planner.pareto(costs, LinkCost(5.0, 5.0, 10.0)) if p.capped]
     assert [p.parts for p in capped] == [("attn.qkv, attn.core", None, None), ("attn.qkv", None, None)]
+
+
+def test_module_names_come_from_an_extra_step_and_only_where_the_steps_agree(monkeypatch):
+    """The names come from one more untimed step with hooks: a call nested in another module's forward
+    but registered elsewhere is named for itself (the call that started last); a layer with a scripted
+    submodule is measured (no hooks on it); a layer whose last step counted other storages than the
+    hooked one gets None; compiled layers without ``torch.compiler.set_stance`` get None."""
+    from offload_examples.instruments import plan_costs
+
+    class Borrowing(torch.nn.Module):  # calls ``a``, which the layer registers beside it
+        def __init__(self, a):
+            super().__init__()
+            self.lin = torch.nn.Linear(256, 256)
+            self.__dict__["a"] = a  # not a submodule of this one
+
+        def forward(self, x):
+            return self.a(self.lin(x)) if not hasattr(self, "flip") else self.lin(x)
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Tanh()
+            self.inner = Borrowing(self.a)
+
+        def forward(self, x):
+            return torch.relu(self.inner(x))
+
+    torch.manual_seed(0)
+    layers = [Outer(), Outer()]
+    x = torch.randn(2048, 256, requires_grad=True)
+    costs, _ = plan_costs.measure_costs(layers, x, steps=1, per_choice=False)
+    assert costs[1].storage_modules == ("inner.lin", "a", "")
+    scripted = [torch.nn.Sequential(torch.jit.script(torch.nn.Linear(256, 256)), torch.nn.Tanh()) for _ in range(2)]
+    costs, _ = plan_costs.measure_costs(scripted, x, steps=1, per_choice=False)
+    assert costs[1].storage_modules == ("", "1")  # the scripted Linear's saves belong to the layer
+    # the timed steps save differently from the hooked one: no names
+    real = plan_costs._SavingModules.from_step.__func__
+
+    def then_flip(cls, layers, engine, step):
+        sites = real(cls, layers, engine, step)
+        layers[1].inner.flip = True
+        return sites
+    monkeypatch.setattr(plan_costs._SavingModules, "from_step", classmethod(then_flip))
+    costs, _ = plan_costs.measure_costs(layers, x, steps=1, per_choice=False)
+    assert costs[0].storage_modules is not None and costs[1].storage_modules is None
+    monkeypatch.undo()
+    del layers[1].inner.flip
+    monkeypatch.delattr(torch.compiler, "set_stance")
+    compiled = type("OptimizedModule", (torch.nn.Module,), {"forward": lambda self, x: x})
+    layers[0].add_module("compiled", compiled())
+    costs, _ = plan_costs.measure_costs(layers, x, steps=1, per_choice=False)
+    assert all(c.storage_modules is None for c in costs)

@@ -175,7 +175,8 @@ def cap_in_modules(cost: LayerCost, cap: int) -> str | None:
 
     Each module whose storages the cap takes, in the order the forward first saves into them:
     ``"linear, transformer.self_attn, part of transformer.linear1"`` (``"(the layer's own forward)"``
-    for what the layer saves outside its submodules). ``None`` when ``cost.storage_modules`` is unknown.
+    for what the layer saves outside its submodules; ``""`` when the cap takes nothing). ``None`` when
+    ``cost.storage_modules`` is unknown.
     """
     if cost.storage_modules is None:
         return None
@@ -316,8 +317,9 @@ class Plan:
         object.__setattr__(self, "choices", tuple(Choice(c) for c in self.choices))
         object.__setattr__(self, "caps", _checked_caps(self.caps, self.choices))
         parts = tuple(self.parts) or (None,) * len(self.choices)
-        if len(parts) != len(self.choices) or any(p is not None and cap is None for p, cap in zip(parts, self.caps)):
-            raise ValueError("parts must have one entry per layer, and one only where the layer has a cap")
+        if len(parts) != len(self.choices) or any(p is not None and (cap is None or not isinstance(p, str))
+                                                  for p, cap in zip(parts, self.caps)):
+            raise ValueError("parts must have one entry per layer, and a str only where the layer has a cap")
         object.__setattr__(self, "parts", parts)
 
     @property

@@ -648,7 +648,8 @@ def _run_planner(setup: PlannerSetup, budget_from: str, budget: int, model: nn.M
     chosen = plan(setup.costs, setup.link, budget, setup.base_bytes)
     figures = {
         "budget_from": budget_from, "budget_bytes": budget, "plan": chosen.summary(),
-        "choices": [c.value for c in chosen.choices], "caps": list(chosen.caps), "feasible": chosen.feasible,
+        "choices": [c.value for c in chosen.choices], "caps": list(chosen.caps), "parts": list(chosen.parts),
+        "feasible": chosen.feasible,
         "predicted_peak_bytes": chosen.predicted_peak_bytes, "predicted_step_ms": chosen.predicted_step_ms,
         # as a ratio to keeping every layer: the measured overhead's counterpart
         "predicted_overhead": chosen.predicted_step_ms / setup.keep_step_ms - 1,

@@ -24,6 +24,7 @@ Typical use::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -36,6 +37,7 @@ from torch import nn
 
 from offload_examples.core.api import get_cpu_offload_context
 from offload_examples.core.engine import OffloadEngine
+from offload_examples.core.layer_state import LayerStats
 from offload_examples.features.planner import TIME_FIELDS, Checkpointed, LayerCost, LinkCost, offload_schedule
 from offload_examples.instruments.measure import balanced_orders, training_step
 from offload_examples.instruments.timeline import Span, per_layer_ms, record_layer_timeline
@@ -93,12 +95,9 @@ def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 20,
         inputs.clear()
         return training_step(layers, x, ctx, sync)
 
-    sites = _SavingModules(layers, ctx)
     try:
-        try:
-            step()  # warm-up: workspaces, caches, the allocator's blocks; and which module saved what
-        finally:
-            sites.remove()  # its hooks would lengthen every timed forward of a launch-bound layer
+        step()  # warm-up: workspaces, caches, the allocator's blocks
+        sites = _SavingModules.from_step(layers, ctx, step)  # one more untimed step: which module saved what
         cuda = x.is_cuda
         if cuda:
             torch.cuda.synchronize(x.device)
@@ -110,7 +109,7 @@ def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 20,
         _zero(layers, x)
     fwd, bwd = _medians(runs, n)
     costs = [LayerCost(f, b, s.candidate_bytes, inp, storage_bytes=tuple(s.candidate_sizes),
-                       storage_modules=sites.names(i, s.candidate_sizes))
+                       storage_modules=sites.names(i, ctx.stats) if sites is not None else None)
              for i, (f, b, s, inp) in enumerate(zip(fwd, bwd, ctx.stats, inputs))]
     if per_choice:
         costs = _per_choice(costs, layers, x, steps)
@@ -122,49 +121,76 @@ class _SavingModules:
 
     Hooks around every submodule's forward note how many storages the probe engine had counted for the
     layer when the forward started and when it ended; a storage belongs to the innermost forward that
-    was running when it was counted (the probe counts a storage when the forward first saves it).
+    was running when it was counted (of the calls that hold it, the one that started last), since the
+    probe counts a storage when the forward first saves it. Build it with :meth:`from_step`.
     """
 
     def __init__(self, layers: Sequence[nn.Module], engine: OffloadEngine):
         self.engine = engine
-        self.spans: list[list[tuple[int, int, str]]] = [[] for _ in layers]  # (first, end, name) per call
-        self.sizes: list[list[int] | None] = [None] * len(layers)  # the sizes counted in that step
-        self._open: list[list[tuple[str, int]]] = [[] for _ in layers]
+        self.spans: list[list[tuple[int, int, int, str]]] = [[] for _ in layers]  # (first, end, call, name)
+        self.sizes: list[list[int]] | None = None  # every layer's sizes counted in the hooked step
+        self._open: list[list[tuple[str, int, int]]] = [[] for _ in layers]
+        self._calls = 0
         self._handles = []
-        for i, layer in enumerate(layers):
-            for name, module in layer.named_modules():
-                if module is not layer:
+        try:
+            for i, layer in enumerate(layers):
+                for name, module in layer.named_modules():
+                    if module is layer or isinstance(module, torch.jit.ScriptModule):  # takes no hooks
+                        continue
                     self._handles.append(module.register_forward_pre_hook(functools.partial(self._enter, i, name)))
                     self._handles.append(module.register_forward_hook(functools.partial(self._leave, i, name),
                                                                       always_call=True))
+        except BaseException:
+            self.remove()
+            raise
+
+    @classmethod
+    def from_step(cls, layers: Sequence[nn.Module], engine: OffloadEngine,
+                  step: Callable[[], torch.Tensor]) -> _SavingModules | None:
+        """Run ``step`` once with the hooks on (then off again), or ``None`` where that cannot be done
+        without side effects: hooks on a compiled module change what its guards see, and without
+        ``torch.compiler.set_stance`` (torch < 2.6) the step would compile the layers again."""
+        set_stance = getattr(torch.compiler, "set_stance", None)
+        compiled = any(type(m).__name__ == "OptimizedModule" for layer in layers for m in layer.modules())
+        if compiled and set_stance is None:
+            return None
+        sites = cls(layers, engine)
+        try:
+            # eager for this step: dynamo would guard on the hooks (and their layer index) and compile
+            # each layer again, up to its recompile limit, after which it stops compiling them at all
+            with set_stance("force_eager") if set_stance is not None else contextlib.nullcontext():
+                step()
+        finally:
+            sites.remove()
+        sites.sizes = [list(s.candidate_sizes) for s in engine.stats]
+        return sites
 
     def _counted(self, i: int) -> int:
         return len(self.engine.stats[i].candidate_sizes)
 
     def _enter(self, i: int, name: str, module: nn.Module, args: object) -> None:
-        self._open[i].append((name, self._counted(i)))
+        self._calls += 1
+        self._open[i].append((name, self._counted(i), self._calls))
 
     def _leave(self, i: int, name: str, module: nn.Module, args: object, output: object) -> None:
         if self._open[i] and self._open[i][-1][0] == name:
-            _, first = self._open[i].pop()
-            self.spans[i].append((first, self._counted(i), name))
-            self.sizes[i] = list(self.engine.stats[i].candidate_sizes)
+            _, first, call = self._open[i].pop()
+            self.spans[i].append((first, self._counted(i), call, name))
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
 
-    def names(self, i: int, sizes: Sequence[int]) -> tuple[str, ...] | None:
-        """Layer ``i``'s module per storage, or ``None`` when the timed steps counted other storages
-        than the hooked one did (then the hooked step's names could belong to other storages)."""
-        if self.sizes[i] is not None and not list(sizes)[:len(self.sizes[i])] == self.sizes[i]:
+    def names(self, i: int, stats: Sequence[LayerStats]) -> tuple[str, ...] | None:
+        """Layer ``i``'s module per storage, or ``None`` when the last step counted other storages for
+        the layer than the hooked step did (then its names could belong to other storages)."""
+        if self.sizes is None or list(stats[i].candidate_sizes) != self.sizes[i]:
             return None
         names = []
-        for j in range(len(sizes)):
-            # the innermost call holding storage j: the latest to start, the first to end among those
-            inside = [(first, -end, name) for first, end, name in self.spans[i] if first <= j < end]
-            names.append(max(inside)[2] if inside else "")
+        for j in range(len(self.sizes[i])):
+            inside = [(call, name) for first, end, call, name in self.spans[i] if first <= j < end]
+            names.append(max(inside)[1] if inside else "")
         return tuple(names)
 
 
