@@ -76,6 +76,10 @@ def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 20,
     every layer of the kind (``_per_choice``). The offloading runs pin host memory for the layers
     they offload, and give it back when they end.
 
+    ``storage_modules`` (which submodule saved each storage: what a byte cap takes, in names) come
+    from one more untimed step with hooks on every submodule, run eagerly where layers are compiled;
+    a layer whose timed steps counted other storages than that step gets ``None``.
+
     With ``pool_kinds`` (the default) layers of one kind share their times (``_pooled_by_kind``):
     each is the median over the kind's layers. The last layer, never timed offloaded, then gets its
     kind's offloaded times too (the planner never offloads it, so nothing reads them); with
