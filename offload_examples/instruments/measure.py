@@ -8,10 +8,9 @@ or with ``time.perf_counter`` on the CPU.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
@@ -217,7 +216,7 @@ def measure_paired(
     """
     measured = measure_round_robin({"reference": (model, x, reference), "step": (model, x, step)},
                                    steps=steps + steps % 2, warmup=warmup)
-    return dataclasses.replace(measured["step"], label=label), measured["reference"].step_ms
+    return replace(measured["step"], label=label), measured["reference"].step_ms
 
 
 #: One run of :func:`measure_round_robin`: its layers, its input, and a callable that runs one training step

@@ -155,8 +155,7 @@ class _SavingModules:
         without side effects: hooks on a compiled module change what its guards see, and without
         ``torch.compiler.set_stance`` (torch < 2.6) the step would compile the layers again."""
         set_stance = getattr(torch.compiler, "set_stance", None)
-        compiled = any(type(m).__name__ == "OptimizedModule" for layer in layers for m in layer.modules())
-        if compiled and set_stance is None:
+        if set_stance is None and any(type(m).__name__ == "OptimizedModule" for layer in layers for m in layer.modules()):
             return None
         sites = cls(layers, engine)
         try:
