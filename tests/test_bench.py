@@ -94,6 +94,58 @@ def test_bench_cli_and_a_failing_strategy(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "bench.json").is_file()
 
 
+def test_a_strategy_that_leaves_the_device_unusable_is_left_out_and_the_model_starts_again(monkeypatch):
+    """After a sticky CUDA error (an illegal memory access) every later run of the process fails too:
+    the model's grid starts again without that strategy, whose rows say why; the others all run."""
+    real, lost = bench.make_forward, []
+
+    def crashing(strategy, *args):
+        if strategy == "save_on_cpu":
+            lost.append(True)
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real(strategy, *args)
+
+    monkeypatch.setattr(bench, "make_forward", crashing)
+    monkeypatch.setattr(bench, "device_usable", lambda device: not lost)  # unusable from the crash on
+    config = bench.BenchConfig.tiny(models=("B",), ks=(1, 2), strategies=("no offload", "save_on_cpu", "checkpoint"))
+    out = io.StringIO()
+    first_try = []
+    monkeypatch.setattr(bench, "_bench_model", _recording(bench._bench_model, first_try, lost))
+    results = bench.run(config, "cpu", stream=out)
+    runs = {(r["strategy"], r["k"]): r for r in results["models"][0]["runs"]}
+    assert first_try == [set(), {"save_on_cpu"}]  # the second try leaves it out
+    for k in (1, 2):
+        assert runs[("save_on_cpu", k)]["status"] == "skipped"
+        assert runs[("save_on_cpu", k)]["reason"].startswith("left out: at k=1 on model B it failed and left the device")
+        assert "illegal memory access" in runs[("save_on_cpu", k)]["reason"]
+        assert runs[("checkpoint", k)]["status"] == "ok"
+    assert results["models"][0]["left_out"].keys() == {"save_on_cpu"}
+    assert "starting again without save_on_cpu" in out.getvalue() and "5/5 done" in out.getvalue()
+    # on a GPU the process that lost its device cannot go on: only isolated models restart
+    monkeypatch.setattr(bench, "_measured_model", lambda *a: {"device_lost": bench.DeviceLost("save_on_cpu", 1, "x")})
+    with pytest.raises(RuntimeError, match="isolate=True"):
+        bench._model(("B", config, torch.device("cuda"), None, False, None), ProgressBar(5, io.StringIO()), 5, False)
+
+
+def _recording(real, seen, lost):
+    def bench_model(*args):
+        seen.append(set(args[-1]))
+        lost.clear()  # a fresh process: its device works again
+        return real(*args)
+    return bench_model
+
+
+def test_device_lost_travels_between_processes():
+    """A model's process hands :class:`DeviceLost` to the parent pickled: it keeps its fields."""
+    import pickle
+
+    lost = pickle.loads(pickle.dumps(bench.DeviceLost("torchtune", 2, "RuntimeError: CUDA error")))
+    assert (lost.strategy, lost.k, lost.reason) == ("torchtune", 2, "RuntimeError: CUDA error")
+    assert lost.why("A") == ("left out: at k=2 on model A it failed and left the device unusable for the process "
+                             "(RuntimeError: CUDA error)")
+    assert bench.device_usable(torch.device("cpu"))
+
+
 def test_transformer_engines_offload_is_skipped_on_torch_layers(monkeypatch):
     """TE's offload raised on PyTorch's layers and kept ~77 GiB allocated on the H100: skipped, with why."""
     monkeypatch.setattr(bench, "has_transformer_engine", lambda: True)

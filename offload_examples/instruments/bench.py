@@ -69,7 +69,7 @@ from offload_examples.instruments.plan_costs import measure_costs, measure_link
 from offload_examples.instruments.report import CPU_TIMING_NOTE, ProgressBar, format_bytes, format_markdown_table, write_json
 from offload_examples.instruments.timeline import Span, achieved_gb_per_s, per_layer_ms, record_layer_timeline
 
-__all__ = ["MODELS", "PLOTS_MISSING", "STRATEGIES", "BenchConfig", "ModelSpec", "check_planner", "main", "run",
+__all__ = ["MODELS", "PLOTS_MISSING", "STRATEGIES", "BenchConfig", "DeviceLost", "ModelSpec", "check_planner", "main", "run",
            "write_outputs"]
 
 GiB = 2**30
@@ -342,15 +342,18 @@ def _held_bytes(model: nn.ModuleList, x: torch.Tensor) -> list[int] | None:
 
 
 def _bench_model(name: str, config: BenchConfig, device: torch.device, link: dict | None,
-                 bar: ProgressBar, detail: bool, plan_link: LinkCost | None = None) -> dict[str, Any]:
+                 bar: ProgressBar, detail: bool, plan_link: LinkCost | None = None,
+                 left_out: dict[str, str] | None = None) -> dict[str, Any]:
+    """One model's grid. ``left_out``: strategies not to run, with why (see :class:`DeviceLost`)."""
     kind = layer_kind(MODELS[name].kind)  # what "auto" builds here
     # On TE's layers every run takes TE's offload path (see TE_DEFAULT_PATH)
     with te_path.offload_path() if kind == TE_LAYER else contextlib.nullcontext():
-        return _bench_model_on_path(name, config, device, link, bar, detail, plan_link, kind)
+        return _bench_model_on_path(name, config, device, link, bar, detail, plan_link, kind, dict(left_out or {}))
 
 
 def _bench_model_on_path(name: str, config: BenchConfig, device: torch.device, link: dict | None,
-                         bar: ProgressBar, detail: bool, plan_link: LinkCost | None, kind: str) -> dict[str, Any]:
+                         bar: ProgressBar, detail: bool, plan_link: LinkCost | None, kind: str,
+                         left_out: dict[str, str]) -> dict[str, Any]:
     spec = MODELS[name].small() if config.small else MODELS[name]
     dtype = getattr(torch, config.dtype)
     n = config.layers
@@ -359,7 +362,8 @@ def _bench_model_on_path(name: str, config: BenchConfig, device: torch.device, l
     gen = torch.Generator(device="cpu").manual_seed(config.seed + 1)
     x = torch.randn(spec.batch, config.seq, spec.hidden, generator=gen, dtype=dtype).to(device).requires_grad_()
     steps = dict(steps=config.steps, warmup=config.warmup)
-    out: dict[str, Any] = {"model": name, "layer_kind": kind, "spec": dataclasses.asdict(spec), "runs": []}
+    out: dict[str, Any] = {"model": name, "layer_kind": kind, "spec": dataclasses.asdict(spec), "runs": [],
+                           "left_out": left_out}
 
     bar.show(f"model {name}: no offload")
     forward, _ = make_forward("no offload", model, 0, device)
@@ -495,10 +499,10 @@ def _copy_bound(k: int, fwd_ms: Sequence[float], bwd_ms: Sequence[float], offloa
 def _run_strategy(strategy: str, model: nn.ModuleList, x: torch.Tensor, k: int, device: torch.device, kind: str,
                   steps: dict, base, theory: int, bound: Callable[[float], float] | None, link: dict | None, detail: bool,
                   out: dict[str, Any], reference: Callable[[], torch.Tensor], chosen: Plan | None = None) -> dict[str, Any]:
-    skipped = available(strategy, device, kind)
+    skipped = out.get("left_out", {}).get(strategy) or available(strategy, device, kind)
     if skipped:
         return {"strategy": strategy, "k": k, "status": "skipped", "reason": skipped}
-    engine = None
+    engine, lost = None, False
     try:
         # the plan goes positionally only when there is one: wrappers of make_forward take (strategy, *args)
         forward, engine = make_forward(strategy, model, k, device, *([chosen] if chosen is not None else []))
@@ -520,11 +524,48 @@ def _run_strategy(strategy: str, model: nn.ModuleList, x: torch.Tensor, k: int, 
             result["resident_matches_theory"] = all(got == want for _, _, got, want in resident_vs_theory(engine))
         return result
     except Exception as err:  # one failing strategy must not end the benchmark; its memory is freed below
-        return {"strategy": strategy, "k": k, "status": "failed", "reason": f"{type(err).__name__}: {err}"}
+        reason = f"{type(err).__name__}: {err}"
+        lost = not device_usable(device)
+        if lost:  # every later run would fail too: the model starts again in a fresh process, without it
+            raise DeviceLost(strategy, k, reason) from err
+        return {"strategy": strategy, "k": k, "status": "failed", "reason": reason}
     finally:
-        model.zero_grad(set_to_none=True)
-        x.grad = None
-        _free(engine)
+        if not lost:  # on a lost device freeing raises the same error again
+            model.zero_grad(set_to_none=True)
+            x.grad = None
+            _free(engine)
+
+
+class DeviceLost(Exception):
+    """A strategy's failure left the device unusable for the rest of the process.
+
+    CUDA reports an illegal memory access and similar faults to every later call in the process
+    (a "sticky" error), so no later run could measure anything. :func:`run` starts the model again in a
+    fresh process with ``strategy`` left out and says why in its rows (``left_out``).
+    """
+
+    def __init__(self, strategy: str, k: int, reason: str) -> None:
+        super().__init__(f"{strategy} at k={k} left the device unusable: {reason}")
+        self.strategy, self.k, self.reason = strategy, k, reason
+
+    def __reduce__(self) -> tuple:  # it travels from a model's process to the parent
+        return type(self), (self.strategy, self.k, self.reason)
+
+    def why(self, model: str) -> str:
+        """The reason the restarted model's rows give for leaving the strategy out."""
+        return (f"left out: at k={self.k} on model {model} it failed and left the device unusable for the process "
+                f"({self.reason})")
+
+
+def device_usable(device: torch.device) -> bool:
+    """Whether ``device`` still runs work: ``False`` after a sticky CUDA error (always ``True`` off CUDA)."""
+    if device.type != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize(device)
+        return torch.ones(1, device=device).add_(1).item() == 2.0
+    except Exception:  # the sticky error comes back from any call
+        return False
 
 
 def _copy_figures(step, engine, bound: float | None, median_ms: float, link: dict | None, detail: bool,
@@ -817,11 +858,15 @@ def _model_units(config: BenchConfig) -> int:
 
 
 def _measured_model(name: str, config: BenchConfig, device: torch.device, link: dict | None, bar: ProgressBar,
-                    detail: bool, plan_link: LinkCost | None) -> dict[str, Any]:
-    """:func:`_bench_model`, and the device memory it left allocated (``left_allocated_bytes``)."""
+                    detail: bool, plan_link: LinkCost | None, left_out: dict[str, str]) -> dict[str, Any]:
+    """:func:`_bench_model`, and the device memory it left allocated (``left_allocated_bytes``); or, where a
+    strategy left the device unusable, ``{"device_lost": DeviceLost}`` (the process must end)."""
     cuda = device.type == "cuda"
     before = torch.cuda.memory_allocated(device) if cuda else 0
-    out = _bench_model(name, config, device, link, bar, detail, plan_link)  # it frees its model on return
+    try:
+        out = _bench_model(name, config, device, link, bar, detail, plan_link, left_out)  # frees its model
+    except DeviceLost as lost:
+        return {"device_lost": lost}
     out["left_allocated_bytes"] = torch.cuda.memory_allocated(device) - before if cuda else None
     return out
 
@@ -835,9 +880,10 @@ def _model_in_child(args: tuple, elapsed_s: float, done: int, total: int, path: 
         pickle.dump(_measured_model(args[0], args[1], args[2], args[3], bar, *args[4:]), f)
 
 
-def _model_in_process(args: tuple, bar: ProgressBar, units: int) -> dict[str, Any]:
+def _model_in_process(args: tuple, bar: ProgressBar) -> dict[str, Any]:
     """One model's grid in a fresh process: what a library leaves allocated after a model (a handler
-    that keeps tensors, a cache) cannot fall on the next model's peak or run it out of memory."""
+    that keeps tensors, a cache) cannot fall on the next model's peak or run it out of memory, and a
+    strategy that leaves the device unusable takes only that process with it."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "model.pkl")
         child = multiprocessing.get_context("spawn").Process(
@@ -847,8 +893,28 @@ def _model_in_process(args: tuple, bar: ProgressBar, units: int) -> dict[str, An
         if child.exitcode != 0:
             raise RuntimeError(f"model {args[0]}: its process exited with code {child.exitcode} (its output is above)")
         with open(path, "rb") as f:
-            out = pickle.load(f)
-    bar.done += units
+            return pickle.load(f)
+
+
+def _model(args: tuple, bar: ProgressBar, units: int, isolate: bool) -> dict[str, Any]:
+    """One model's grid, started again without each strategy that left the device unusable."""
+    name, config = args[0], args[1]
+    left_out: dict[str, str] = {}
+    start = bar.done
+    while True:
+        out = (_model_in_process((*args, left_out), bar) if isolate
+               else _measured_model(*args[:4], bar, *args[4:], left_out))
+        lost = out.get("device_lost")
+        if lost is None:
+            break
+        if not isolate and args[2].type == "cuda":  # this process's device is gone: nothing else can run in it
+            raise RuntimeError(f"model {name}: {lost}; run with isolate=True to go on without {lost.strategy}")
+        if lost.strategy in left_out or lost.strategy not in config.strategies:  # it was not the strategy's doing
+            raise RuntimeError(f"model {name}: {lost}")
+        left_out[lost.strategy] = lost.why(name)
+        bar.done = start  # the model's units count again
+        bar.show(f"model {name}: starting again without {lost.strategy} (it left the device unusable)")
+    bar.done = start + units
     return out
 
 
@@ -856,8 +922,10 @@ def run(config: BenchConfig | None = None, device: torch.device | str | None = N
         stream=None, isolate: bool | None = None) -> dict[str, Any]:
     """Run the benchmark and return everything it measured (see :func:`write_outputs`).
 
-    ``isolate`` runs each model in a fresh process (default: on CUDA with several models). A first
-    full-size run on the H100 had a previous model's 78 GiB still allocated when the next was built.
+    ``isolate`` runs each model in a fresh process (default: on CUDA). A first full-size run on the
+    H100 had a previous model's 78 GiB still allocated when the next was built; and a strategy that
+    leaves the device unusable (:class:`DeviceLost`) ends only its model's process, which starts again
+    without it.
     """
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     # Garbage left by earlier work (a model in a reference cycle) would sit in the first run's peak
@@ -882,13 +950,9 @@ def run(config: BenchConfig | None = None, device: torch.device | str | None = N
         "models": [],
     }
     if isolate is None:
-        isolate = device.type == "cuda" and len(config.models) > 1
+        isolate = device.type == "cuda"
     for i, name in enumerate(config.models):
-        args = (name, config, device, link, i == 0, plan_link)
-        if isolate:
-            results["models"].append(_model_in_process(args, bar, units))
-        else:
-            results["models"].append(_measured_model(name, config, device, link, bar, i == 0, plan_link))
+        results["models"].append(_model((name, config, device, link, i == 0, plan_link), bar, units, isolate))
     bar.close()
     results["targets"] = check_targets(results)
     results["planner_checks"] = check_planner(results)
