@@ -104,6 +104,9 @@ PLANNER_PREDICTION_ERROR = 0.05
 PLANNER_PEAK_NOISE = 0.001
 #: The strategies also measured against each other, step by step (model A, k = 2 and 4).
 HEAD_TO_HEAD = ("engine", "transformer_engine")
+#: The names under which the step-by-step runs are left out after one left the device unusable.
+HEAD_TO_HEAD_RUN = "engine against Transformer Engine, pair by pair"
+PLAN_PAIRS_RUN = "plans against their rivals, pair by pair"
 
 
 @dataclass(frozen=True)
@@ -301,12 +304,16 @@ def _curve_json(curve: MemoryCurve) -> dict[str, list]:
 
 
 def _free(*engines: Any) -> None:
-    for e in engines:
-        if e is not None and hasattr(e, "release_buffers"):
-            e.release_buffers()
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    try:
+        for e in engines:
+            if e is not None and hasattr(e, "release_buffers"):
+                e.release_buffers()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except RuntimeError:  # after a sticky CUDA error every call raises it again: DeviceLost says why
+        if not torch.cuda.is_initialized() or device_usable(torch.device("cuda", torch.cuda.current_device())):
+            raise
 
 
 def _first(per_layer: Sequence[int], k: int) -> list[int]:
@@ -394,9 +401,11 @@ def _bench_model_on_path(name: str, config: BenchConfig, device: torch.device, l
     if "planner" in config.strategies:
         bar.show(f"model {name}: the planner's costs")
         try:
-            setup = _planner_setup(model, x, base, plan_link, config)
-            out["planner"] = setup.to_json()
+            setup = left_out.get("planner") or _planner_setup(model, x, base, plan_link, config)
+            if not isinstance(setup, str):
+                out["planner"] = setup.to_json()
         except Exception as err:  # the planner's runs report it; the other strategies still run
+            _raise_if_lost(device, "planner", 0, err)
             setup = f"measuring the planner's costs failed: {type(err).__name__}: {err}"
     planned: dict[tuple, dict[str, Any]] = {}  # plan -> its run: one measurement per distinct plan
     if "transformer_engine" in config.strategies:
@@ -415,7 +424,8 @@ def _bench_model_on_path(name: str, config: BenchConfig, device: torch.device, l
             bar.show(f"model {name}, k={k}: {strategy}")
             if strategy == "planner":
                 if isinstance(setup, str):
-                    out["runs"] += [{"strategy": strategy, "k": k, "status": "failed", "reason": setup,
+                    status = "skipped" if "planner" in left_out else "failed"
+                    out["runs"] += [{"strategy": strategy, "k": k, "status": status, "reason": setup,
                                      "budget_from": source} for source in PLANNER_BUDGETS]
                     for _ in PLANNER_BUDGETS:
                         bar.advance()
@@ -434,9 +444,12 @@ def _bench_model_on_path(name: str, config: BenchConfig, device: torch.device, l
         if name == "A" and k in (2, 4) and _both_ran(out["runs"], k):
             bar.show(f"model {name}, k={k}: engine against Transformer Engine, pair by pair")
             steps_h2h = dict(steps, steps=max(config.steps, config.target_steps))
-            out.setdefault("head_to_head", []).append(_head_to_head(model, x, k, device, steps_h2h))
+            h2h = ({"k": k, "status": "skipped", "reason": left_out[HEAD_TO_HEAD_RUN]} if HEAD_TO_HEAD_RUN in left_out
+                   else _head_to_head(model, x, k, device, steps_h2h))
+            out.setdefault("head_to_head", []).append(h2h)
     if "planner" in config.strategies:  # every pure run has run: each plan meets its best rival
-        _pair_plans_with_rivals(out["runs"], model, x, device, steps, bar)
+        if PLAN_PAIRS_RUN not in left_out:  # else the checks fall back on the separate overheads
+            _pair_plans_with_rivals(out["runs"], model, x, device, steps, bar)
         bar.advance()
     del model, x
     _free()
@@ -465,6 +478,7 @@ def _head_to_head(model: nn.ModuleList, x: torch.Tensor, k: int, device: torch.d
         return {"k": k, "status": "ok", "pairs": a["pairs"], "engine_vs_te": a["ratio"], "quartiles": a["quartiles"],
                 "engine_ms": a["candidate_ms"], "te_ms": a["reference_ms"]}
     except Exception as err:  # reported in the targets; the benchmark goes on
+        _raise_if_lost(device, HEAD_TO_HEAD_RUN, k, err)
         return {"k": k, "status": "failed", "reason": f"{type(err).__name__}: {err}"}
     finally:
         model.zero_grad(set_to_none=True)
@@ -502,7 +516,7 @@ def _run_strategy(strategy: str, model: nn.ModuleList, x: torch.Tensor, k: int, 
     skipped = out.get("left_out", {}).get(strategy) or available(strategy, device, kind)
     if skipped:
         return {"strategy": strategy, "k": k, "status": "skipped", "reason": skipped}
-    engine, lost = None, False
+    engine = None
     try:
         # the plan goes positionally only when there is one: wrappers of make_forward take (strategy, *args)
         forward, engine = make_forward(strategy, model, k, device, *([chosen] if chosen is not None else []))
@@ -524,28 +538,25 @@ def _run_strategy(strategy: str, model: nn.ModuleList, x: torch.Tensor, k: int, 
             result["resident_matches_theory"] = all(got == want for _, _, got, want in resident_vs_theory(engine))
         return result
     except Exception as err:  # one failing strategy must not end the benchmark; its memory is freed below
-        reason = f"{type(err).__name__}: {err}"
-        lost = not device_usable(device)
-        if lost:  # every later run would fail too: the model starts again in a fresh process, without it
-            raise DeviceLost(strategy, k, reason) from err
-        return {"strategy": strategy, "k": k, "status": "failed", "reason": reason}
+        _raise_if_lost(device, strategy, k, err)
+        return {"strategy": strategy, "k": k, "status": "failed", "reason": f"{type(err).__name__}: {err}"}
     finally:
-        if not lost:  # on a lost device freeing raises the same error again
-            model.zero_grad(set_to_none=True)
-            x.grad = None
-            _free(engine)
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        _free(engine)
 
 
 class DeviceLost(Exception):
-    """A strategy's failure left the device unusable for the rest of the process.
+    """A run's failure left the device unusable for the rest of the process.
 
     CUDA reports an illegal memory access and similar faults to every later call in the process
     (a "sticky" error), so no later run could measure anything. :func:`run` starts the model again in a
-    fresh process with ``strategy`` left out and says why in its rows (``left_out``).
+    fresh process with ``strategy`` (a strategy, or one of the runs ``HEAD_TO_HEAD_RUN`` and
+    ``PLAN_PAIRS_RUN``) left out, and its rows say why (the model's ``left_out``).
     """
 
     def __init__(self, strategy: str, k: int, reason: str) -> None:
-        super().__init__(f"{strategy} at k={k} left the device unusable: {reason}")
+        super().__init__(f"{strategy}{f' at k={k}' if k else ''} left the device unusable: {reason}")
         self.strategy, self.k, self.reason = strategy, k, reason
 
     def __reduce__(self) -> tuple:  # it travels from a model's process to the parent
@@ -553,8 +564,15 @@ class DeviceLost(Exception):
 
     def why(self, model: str) -> str:
         """The reason the restarted model's rows give for leaving the strategy out."""
-        return (f"left out: at k={self.k} on model {model} it failed and left the device unusable for the process "
-                f"({self.reason})")
+        at = f"at k={self.k} " if self.k else ""
+        return f"left out: {at}on model {model} it failed and left the device unusable for the process ({self.reason})"
+
+
+def _raise_if_lost(device: torch.device, run: str, k: int, err: Exception) -> None:
+    """Raise :class:`DeviceLost` for ``run`` if its failure ``err`` left ``device`` unusable: every
+    later run would fail too, so the model starts again in a fresh process without it."""
+    if not device_usable(device):
+        raise DeviceLost(run, k, f"{type(err).__name__}: {err}") from err
 
 
 def device_usable(device: torch.device) -> bool:
@@ -778,6 +796,7 @@ def _plan_against(run: dict[str, Any], best: dict[str, Any], model: nn.ModuleLis
                 "quartiles": a["quartiles"], "pairs": a["pairs"], "plan_ms": a["candidate_ms"],
                 "best_ms": a["reference_ms"]}
     except Exception as err:  # the check falls back on the separate overheads, and its table says why
+        _raise_if_lost(device, PLAN_PAIRS_RUN, run["k"], err)
         return {"strategy": best["strategy"], "k": best["k"], "status": "failed",
                 "reason": f"{type(err).__name__}: {err}"}
     finally:
@@ -876,8 +895,13 @@ def _model_in_child(args: tuple, elapsed_s: float, done: int, total: int, path: 
     import_transformer_engine()  # when installed: before CUDA starts in this process
     bar = ProgressBar(total)
     bar.done, bar.began = done, time.perf_counter() - elapsed_s
+    out = _measured_model(args[0], args[1], args[2], args[3], bar, *args[4:])
     with open(path, "wb") as f:
-        pickle.dump(_measured_model(args[0], args[1], args[2], args[3], bar, *args[4:]), f)
+        pickle.dump(out, f)
+    if "device_lost" in out:  # freeing tensors on a lost device can abort the process: skip the destructors
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _model_in_process(args: tuple, bar: ProgressBar) -> dict[str, Any]:
@@ -898,7 +922,7 @@ def _model_in_process(args: tuple, bar: ProgressBar) -> dict[str, Any]:
 
 def _model(args: tuple, bar: ProgressBar, units: int, isolate: bool) -> dict[str, Any]:
     """One model's grid, started again without each strategy that left the device unusable."""
-    name, config = args[0], args[1]
+    name = args[0]
     left_out: dict[str, str] = {}
     start = bar.done
     while True:
@@ -909,7 +933,7 @@ def _model(args: tuple, bar: ProgressBar, units: int, isolate: bool) -> dict[str
             break
         if not isolate and args[2].type == "cuda":  # this process's device is gone: nothing else can run in it
             raise RuntimeError(f"model {name}: {lost}; run with isolate=True to go on without {lost.strategy}")
-        if lost.strategy in left_out or lost.strategy not in config.strategies:  # it was not the strategy's doing
+        if lost.strategy in left_out:  # left out, yet the device was lost again: not that run's doing
             raise RuntimeError(f"model {name}: {lost}")
         left_out[lost.strategy] = lost.why(name)
         bar.done = start  # the model's units count again
@@ -1224,4 +1248,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"wrote {path}")
     if any(r["status"] == "failed" for m in results["models"] for r in m["runs"]):
         print("some strategies failed; see the table", file=sys.stderr)
+    for m in results["models"]:
+        if m.get("left_out"):
+            print(f"model {m['model']}: left out after they left the device unusable: {', '.join(m['left_out'])}",
+                  file=sys.stderr)
     return results
