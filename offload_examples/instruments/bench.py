@@ -198,7 +198,7 @@ def available(strategy: str, device: torch.device, kind: str | None = None) -> s
     if strategy == "save_on_cpu" and kind == TE_LAYER:
         return SAVE_ON_CPU_ON_TE
     if strategy == "torchtune" and importlib.util.find_spec("torchtune") is None:
-        return "torchtune is not installed"
+        return "torchtune is not installed (pip install 'offload_examples[torchtune]')"
     if strategy in ("transformer_engine", TE_CONTEXT_ONLY, TE_DEFAULT_PATH):
         if not has_transformer_engine():
             return "Transformer Engine is not installed"
