@@ -39,7 +39,9 @@ exclude_patterns = ["_build", "**/.ipynb_checkpoints", "docs/snippets/**", "docs
 # numbers the prose writes by itself). A notebook's numbers are what its stored outputs printed.
 stored_sources = {
     "bench": "docs/bench/bench.json",  # the benchmark on the H100 (docs/benchmarks.md)
-    "model-A": "docs/bench/bench.json#models[A]",  # its model A (the basic scenario's shapes)
+    "model-A": "docs/bench/bench.json#models[A]",  # its model A (the basic scenario: TE layers when installed)
+    "model-A-torch": "docs/bench/bench.json#models[A-torch]",  # model A's shapes with PyTorch's layers
+    "model-A-wide": "docs/bench/bench.json#models[A-wide]",  # TE layers at twice the width, half the batch
     # model A with Transformer Engine's layers, before and after 170f3b7 (hook-free non-offloaded layers)
     "te-bench-67a2151": "docs/runs/2026-11-23-h100-session2/bench_A_te_k2_k4_at_67a2151.md",
     "te-bench-1b7a591": "docs/runs/2026-11-23-h100-session2/bench_A_te_k2_k4_at_1b7a591.md",
@@ -109,6 +111,10 @@ stored_sources = {
     "plan-bench18": "docs/runs/2026-11-25-h100-session18/bench_planner/bench.json",
     "te-bench18": "docs/runs/2026-11-25-h100-session18/bench_planner/bench.json#models[A]",
     "gpu-session18": "docs/runs/2026-11-25-h100-session18/README.md",
+    # the full benchmark's session (docs/bench/ holds its run): torchtune's gradients against no offloading,
+    # on four of model A's layers, TE's and PyTorch's (the latter also under deterministic kernels)
+    "tt-probe19": "docs/runs/2026-11-25-h100-session19/torchtune_probe.txt",
+    "tt-probe19-det": "docs/runs/2026-11-25-h100-session19/torchtune_probe_deterministic.txt",
 }
 
 extensions = [
