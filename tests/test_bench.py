@@ -62,6 +62,8 @@ def test_bench_tiny_end_to_end(tmp_path):
                 else:
                     assert r["status"] == "ok", r
                     assert r["step_ms"] > 0 and len(r["step_ms_all"]) == config.steps
+                    # one step against a plain one, from the same random state (model B has dropout)
+                    assert r["grads"]["equal"] is True and r["grads"]["mismatched"] == 0, (strategy, r["grads"])
         engine = seen[("engine", 2)]
         # no allocator to measure on a CPU: the theory counts the engine's candidates
         assert model["theory_source"] == "engine candidates" and model["held_bytes_per_layer"] is None
@@ -188,6 +190,27 @@ def test_device_lost_travels_between_processes():
     assert lost.why("A") == ("left out: at k=2 on model A it failed and left the device unusable for the process "
                              "(RuntimeError: CUDA error)")
     assert bench.device_usable(torch.device("cpu"))
+
+
+def test_a_strategy_with_other_gradients_is_reported(monkeypatch):
+    """Each row compares one step's output and gradients with a plain step's, bit for bit: a strategy that
+    changes them (here: a scaled output) says how many differ, in its row and in the table."""
+    real = bench.make_forward
+
+    def off_by_a_bit(strategy, *args):
+        forward, engine = real(strategy, *args)
+        return ((lambda x: forward(x) * 1.001) if strategy == "checkpoint" else forward), engine
+
+    monkeypatch.setattr(bench, "make_forward", off_by_a_bit)
+    config = bench.BenchConfig.tiny(models=("B",), ks=(1,), strategies=("no offload", "engine", "checkpoint"))
+    results = bench.run(config, "cpu", stream=io.StringIO())
+    runs = {r["strategy"]: r for r in results["models"][0]["runs"]}
+    assert runs["engine"]["grads"]["equal"] is True
+    g = runs["checkpoint"]["grads"]
+    assert g["equal"] is False and g["mismatched"] == g["compared"] and g["max_abs_diff"] > 0
+    assert "output" in g["first_mismatched"]
+    md = bench.markdown(results)
+    assert f"| {g['mismatched']} of {g['compared']} differ (max " in md and "| bitwise equal |" in md
 
 
 def test_transformer_engines_offload_is_skipped_on_torch_layers(monkeypatch):
@@ -389,6 +412,8 @@ def test_bench_short_gpu_run(tmp_path):
             or (strategy not in ours and r["reason"] == model["left_out"].get(strategy)))), r
     assert (runs["save_on_cpu"]["status"] == "skipped") == (model["layer_kind"] == TE_LAYER)
     assert model["theory_source"] == "measured allocator" and len(model["held_bytes_per_layer"]) == 6
+    for strategy in ours - {"no offload"}:  # this package's strategies keep every bit
+        assert strategy not in runs or runs[strategy]["grads"]["equal"] is True, (strategy, runs[strategy]["grads"])
     engine = runs["engine"]
     # Of what the layers' forwards hold (the allocator's count), torch layers free all; with TE layers
     # the engine freed 97.8 % on the H100 on 2026-11-23 (the rest is not explained yet).

@@ -60,7 +60,9 @@ from offload_examples.features.planner import KEEP, OFFLOAD, RECOMPUTE, LayerCos
 from offload_examples.instruments.cli import (
     ArgumentParser, add_device, check_sizes, default_device, nonnegative_int, output_folder_arg, positive_int,
 )
-from offload_examples.instruments.measure import measure_paired, measure_steps, paired_overhead, resident_vs_theory
+from offload_examples.instruments.measure import (
+    compare_grads, deterministic_kernels, measure_paired, measure_steps, paired_overhead, resident_vs_theory,
+)
 from offload_examples.instruments.memory_history import MemoryCurve, record_memory_curve
 from offload_examples.instruments.models import (
     TE_LAYER, Checkpointed, build_basic_model, has_transformer_engine, import_transformer_engine, layer_kind,
@@ -528,6 +530,7 @@ def _run_strategy(strategy: str, model: nn.ModuleList, x: torch.Tensor, k: int, 
         result.update(reference_ms=statistics.median(reference_ms), reference_ms_all=reference_ms,
                       overhead=paired_overhead(measured.step_ms, reference_ms), pairs=len(pairs),
                       overhead_quartiles=_quartiles(pairs))
+        result["grads"] = _grads_check(model, x, reference, step, device, kind)
         if engine is not None:
             result["pinned_allocations"] = engine.pool.allocations
             # the bound's compute times come from the first no-offload run: rescale them (not the
@@ -584,6 +587,41 @@ def device_usable(device: torch.device) -> bool:
         return torch.ones(1, device=device).add_(1).item() == 2.0
     except Exception:  # the sticky error comes back from any call
         return False
+
+
+def _grads_check(model: nn.ModuleList, x: torch.Tensor, reference: Callable[[], torch.Tensor],
+                 step: Callable[[], torch.Tensor], device: torch.device, kind: str) -> dict[str, Any]:
+    """One step of ``step`` against one no-offload step: the output and every gradient, bit for bit.
+
+    Both start from the same random state (dropout draws alike). On PyTorch's layers they run under
+    :func:`~offload_examples.instruments.measure.deterministic_kernels` (attention's default kernels
+    accumulate with atomics, so two plain steps already differ); Transformer Engine's layers are asked
+    for deterministic kernels when TE is imported. ``equal`` is ``None`` where a kernel has no
+    deterministic form (``reason`` says which).
+    """
+    def once(run: Callable[[], torch.Tensor]):
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(0)
+            return measure_steps(model, x, step=run, steps=1, warmup=0)
+
+    try:
+        with contextlib.nullcontext() if kind == TE_LAYER else deterministic_kernels():
+            check = compare_grads(once(reference), once(step))
+    except RuntimeError as err:  # no deterministic kernel for some op; a lost device goes up as DeviceLost
+        if not device_usable(device):
+            raise
+        return {"equal": None, "reason": f"{type(err).__name__}: {err}"}
+    return {"equal": check.equal, "compared": check.compared, "mismatched": len(check.mismatched),
+            "max_abs_diff": check.max_abs_diff, "first_mismatched": check.mismatched[:3]}
+
+
+def _grads_cell(r: dict[str, Any]) -> str:
+    g = r.get("grads")
+    if g is None:
+        return ""
+    if g["equal"] is None:
+        return "not compared: " + g["reason"].split("\n")[0]
+    return "bitwise equal" if g["equal"] else f"{g['mismatched']} of {g['compared']} differ (max {g['max_abs_diff']:.3g})"
 
 
 def _copy_figures(step, engine, bound: float | None, median_ms: float, link: dict | None, detail: bool,
@@ -1064,14 +1102,14 @@ def markdown(results: dict[str, Any]) -> str:
         parts.append(f"Pinned copy bandwidth measured in this run: host-to-device {link['h2d']:.1f} GB/s, "
                      f"device-to-host {link['d2h']:.1f} GB/s, both at once {link['both']:.1f} GB/s in total.")
     header = ["k", "strategy", "peak GiB", "saving GiB", "saving / theory", "step ms", "overhead",
-              "copy bound ms", "step / bound", "d2h GB/s (of link)", "h2d GB/s (of link)"]
+              "copy bound ms", "step / bound", "d2h GB/s (of link)", "h2d GB/s (of link)", "output and gradients"]
     for m in results["models"]:
         spec = m["spec"]
         rows = []
         for r in m["runs"]:
             strategy = r["strategy"] + (f" ({r['budget_from']}'s budget)" if r.get("budget_from") else "")
             if r["status"] != "ok":
-                rows.append([r["k"] or "-", strategy, r["status"] + ": " + r["reason"]] + [""] * 8)
+                rows.append([r["k"] or "-", strategy, r["status"] + ": " + r["reason"]] + [""] * 9)
                 continue
             bw = {key: "" if r.get(f"{key}_gb_per_s") is None else
                   f"{r[f'{key}_gb_per_s']:.1f} ({r[f'{key}_of_link']:.0%})" for key in ("d2h", "h2d")}
@@ -1079,7 +1117,7 @@ def markdown(results: dict[str, Any]) -> str:
                          _pct(r["saving_ratio"]), f"{r['step_ms']:.1f}", _pct(r["overhead"], True),
                          "" if r.get("bound_ms") is None else f"{r['bound_ms']:.1f}",
                          "" if r.get("step_over_bound") is None else f"{r['step_over_bound']:.3f}",
-                         bw["d2h"], bw["h2d"]])
+                         bw["d2h"], bw["h2d"], _grads_cell(r)])
         pred = m.get("predicted") or {}
         stop = pred.get("copies_stop_fitting_at_k")
         kind = m.get("layer_kind", "transformer layer")
