@@ -115,6 +115,9 @@ stored_sources = {
     # on four of model A's layers, TE's and PyTorch's (the latter also under deterministic kernels)
     "tt-probe19": "docs/runs/2026-11-25-h100-session19/torchtune_probe.txt",
     "tt-probe19-det": "docs/runs/2026-11-25-h100-session19/torchtune_probe_deterministic.txt",
+    # a short run (4 layers) of the benchmark once each row compared its gradients with a plain step's
+    "grads19-A": "docs/runs/2026-11-25-h100-session19/bench_grads.json#models[A]",
+    "grads19-A-torch": "docs/runs/2026-11-25-h100-session19/bench_grads.json#models[A-torch]",
 }
 
 extensions = [

@@ -181,6 +181,15 @@ def _recording(real, seen, lost):
     return bench_model
 
 
+def test_a_reason_fits_one_table_row():
+    """CUDA's errors go on with lines of advice; a row of the Markdown table takes the first line only."""
+    err = RuntimeError("CUDA error: an illegal memory access was encountered\nSearch for `cudaErrorIllegalAddress'\n")
+    assert bench._reason(err) == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert bench._reason(ValueError()) == "ValueError"
+    lost = bench.DeviceLost("torchtune", 2, bench._reason(err))
+    assert "\n" not in lost.why("A")
+
+
 def test_device_lost_travels_between_processes():
     """A model's process hands :class:`DeviceLost` to the parent pickled: it keeps its fields."""
     import pickle

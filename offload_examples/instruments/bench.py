@@ -408,7 +408,7 @@ def _bench_model_on_path(name: str, config: BenchConfig, device: torch.device, l
                 out["planner"] = setup.to_json()
         except Exception as err:  # the planner's runs report it; the other strategies still run
             _raise_if_lost(device, "planner", 0, err)
-            setup = f"measuring the planner's costs failed: {type(err).__name__}: {err}"
+            setup = f"measuring the planner's costs failed: {_reason(err)}"
     planned: dict[tuple, dict[str, Any]] = {}  # plan -> its run: one measurement per distinct plan
     if "transformer_engine" in config.strategies:
         if available(TE_CONTEXT_ONLY, device, kind) is None:  # else TE's own rows say why
@@ -481,7 +481,7 @@ def _head_to_head(model: nn.ModuleList, x: torch.Tensor, k: int, device: torch.d
                 "engine_ms": a["candidate_ms"], "te_ms": a["reference_ms"]}
     except Exception as err:  # reported in the targets; the benchmark goes on
         _raise_if_lost(device, HEAD_TO_HEAD_RUN, k, err)
-        return {"k": k, "status": "failed", "reason": f"{type(err).__name__}: {err}"}
+        return {"k": k, "status": "failed", "reason": _reason(err)}
     finally:
         model.zero_grad(set_to_none=True)
         x.grad = None
@@ -542,7 +542,7 @@ def _run_strategy(strategy: str, model: nn.ModuleList, x: torch.Tensor, k: int, 
         return result
     except Exception as err:  # one failing strategy must not end the benchmark; its memory is freed below
         _raise_if_lost(device, strategy, k, err)
-        return {"strategy": strategy, "k": k, "status": "failed", "reason": f"{type(err).__name__}: {err}"}
+        return {"strategy": strategy, "k": k, "status": "failed", "reason": _reason(err)}
     finally:
         model.zero_grad(set_to_none=True)
         x.grad = None
@@ -571,11 +571,17 @@ class DeviceLost(Exception):
         return f"left out: {at}on model {model} it failed and left the device unusable for the process ({self.reason})"
 
 
+def _reason(err: BaseException) -> str:
+    """An error in one line, for a table row: CUDA's errors go on with lines of advice."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
 def _raise_if_lost(device: torch.device, run: str, k: int, err: Exception) -> None:
     """Raise :class:`DeviceLost` for ``run`` if its failure ``err`` left ``device`` unusable: every
     later run would fail too, so the model starts again in a fresh process without it."""
     if not device_usable(device):
-        raise DeviceLost(run, k, f"{type(err).__name__}: {err}") from err
+        raise DeviceLost(run, k, _reason(err)) from err
 
 
 def device_usable(device: torch.device) -> bool:
@@ -610,7 +616,7 @@ def _grads_check(model: nn.ModuleList, x: torch.Tensor, reference: Callable[[], 
     except RuntimeError as err:  # no deterministic kernel for some op; a lost device goes up as DeviceLost
         if not device_usable(device):
             raise
-        return {"equal": None, "reason": f"{type(err).__name__}: {err}"}
+        return {"equal": None, "reason": _reason(err)}
     return {"equal": check.equal, "compared": check.compared, "mismatched": len(check.mismatched),
             "max_abs_diff": check.max_abs_diff, "first_mismatched": check.mismatched[:3]}
 
@@ -620,7 +626,7 @@ def _grads_cell(r: dict[str, Any]) -> str:
     if g is None:
         return ""
     if g["equal"] is None:
-        return "not compared: " + g["reason"].split("\n")[0]
+        return "not compared: " + g["reason"]
     return "bitwise equal" if g["equal"] else f"{g['mismatched']} of {g['compared']} differ (max {g['max_abs_diff']:.3g})"
 
 
@@ -836,7 +842,7 @@ def _plan_against(run: dict[str, Any], best: dict[str, Any], model: nn.ModuleLis
     except Exception as err:  # the check falls back on the separate overheads, and its table says why
         _raise_if_lost(device, PLAN_PAIRS_RUN, run["k"], err)
         return {"strategy": best["strategy"], "k": best["k"], "status": "failed",
-                "reason": f"{type(err).__name__}: {err}"}
+                "reason": _reason(err)}
     finally:
         model.zero_grad(set_to_none=True)
         x.grad = None
