@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import sys
@@ -220,6 +221,39 @@ def test_a_strategy_with_other_gradients_is_reported(monkeypatch):
     assert "output" in g["first_mismatched"]
     md = bench.markdown(results)
     assert f"| {g['mismatched']} of {g['compared']} differ (max " in md and "| bitwise equal |" in md
+
+
+def test_a_strategy_that_changes_its_input_is_not_reported_equal(monkeypatch):
+    """A strategy that writes to the input after its step would see its own change in both steps of the
+    check: the row compares the input and weights with copies taken before the strategy first ran."""
+    real_forward, real_step = bench.make_forward, bench._step
+
+    def marked(strategy, *args):
+        forward, engine = real_forward(strategy, *args)
+        if strategy == "checkpoint":
+            forward = functools.partial(forward)
+            forward.writes_input = True
+        return forward, engine
+
+    def step(forward, x):
+        inner = real_step(forward, x)
+        if not getattr(forward, "writes_input", False):
+            return inner
+
+        def step_then_write():
+            out = inner()
+            with torch.no_grad():
+                x.add_(1.0)
+            return out
+        return step_then_write
+
+    monkeypatch.setattr(bench, "make_forward", marked)
+    monkeypatch.setattr(bench, "_step", step)
+    config = bench.BenchConfig.tiny(models=("B",), ks=(1,), strategies=("no offload", "checkpoint"))
+    results = bench.run(config, "cpu", stream=io.StringIO())
+    g = {r["strategy"]: r for r in results["models"][0]["runs"]}["checkpoint"]["grads"]
+    assert g["equal"] is False and g["changed"] == 1
+    assert "| changed 1 of the input and weights |" in bench.markdown(results)
 
 
 def test_transformer_engines_offload_is_skipped_on_torch_layers(monkeypatch):

@@ -520,6 +520,7 @@ def _run_strategy(strategy: str, model: nn.ModuleList, x: torch.Tensor, k: int, 
         return {"strategy": strategy, "k": k, "status": "skipped", "reason": skipped}
     engine = None
     try:
+        inputs = _host_copies(model, x)  # to tell whether the strategy changed the input or a weight
         # the plan goes positionally only when there is one: wrappers of make_forward take (strategy, *args)
         forward, engine = make_forward(strategy, model, k, device, *([chosen] if chosen is not None else []))
         step = _step(forward, x)
@@ -530,7 +531,6 @@ def _run_strategy(strategy: str, model: nn.ModuleList, x: torch.Tensor, k: int, 
         result.update(reference_ms=statistics.median(reference_ms), reference_ms_all=reference_ms,
                       overhead=paired_overhead(measured.step_ms, reference_ms), pairs=len(pairs),
                       overhead_quartiles=_quartiles(pairs))
-        result["grads"] = _grads_check(model, x, reference, step, device, kind)
         if engine is not None:
             result["pinned_allocations"] = engine.pool.allocations
             # the bound's compute times come from the first no-offload run: rescale them (not the
@@ -539,6 +539,8 @@ def _run_strategy(strategy: str, model: nn.ModuleList, x: torch.Tensor, k: int, 
             result.update(_copy_figures(step, engine, scaled, measured.median_ms, link, detail, out, k))
             # the engine's count of offloaded bytes on the device, phase by phase, against its schedule
             result["resident_matches_theory"] = all(got == want for _, _, got, want in resident_vs_theory(engine))
+        # last: its deterministic kernels save other tensors, which the engine's pool would pin for the trace
+        result["grads"] = _grads_check(model, x, reference, step, device, kind, inputs)
         return result
     except Exception as err:  # one failing strategy must not end the benchmark; its memory is freed below
         _raise_if_lost(device, strategy, k, err)
@@ -574,7 +576,7 @@ class DeviceLost(Exception):
 def _reason(err: BaseException) -> str:
     """An error in one line, for a table row: CUDA's errors go on with lines of advice."""
     lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
 
 
 def _raise_if_lost(device: torch.device, run: str, k: int, err: Exception) -> None:
@@ -595,15 +597,22 @@ def device_usable(device: torch.device) -> bool:
         return False
 
 
+def _host_copies(model: nn.ModuleList, x: torch.Tensor) -> list[torch.Tensor]:
+    return [t.detach().to("cpu", copy=True) for t in (x, *model.parameters())]
+
+
 def _grads_check(model: nn.ModuleList, x: torch.Tensor, reference: Callable[[], torch.Tensor],
-                 step: Callable[[], torch.Tensor], device: torch.device, kind: str) -> dict[str, Any]:
+                 step: Callable[[], torch.Tensor], device: torch.device, kind: str,
+                 inputs: list[torch.Tensor]) -> dict[str, Any]:
     """One step of ``step`` against one no-offload step: the output and every gradient, bit for bit.
 
     Both start from the same random state (dropout draws alike). On PyTorch's layers they run under
     :func:`~offload_examples.instruments.measure.deterministic_kernels` (attention's default kernels
     accumulate with atomics, so two plain steps already differ); Transformer Engine's layers are asked
-    for deterministic kernels when TE is imported. ``equal`` is ``None`` where a kernel has no
-    deterministic form (``reason`` says which).
+    for deterministic kernels when TE is imported. ``inputs``: host copies of the input and the weights
+    taken before the strategy first ran; if it changed any, both steps ran on the changed values, so the
+    row says so (``changed``) and is not equal. ``equal`` is ``None`` where the steps could not be compared
+    (a kernel with no deterministic form, say; ``reason`` says why).
     """
     def once(run: Callable[[], torch.Tensor]):
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -612,13 +621,15 @@ def _grads_check(model: nn.ModuleList, x: torch.Tensor, reference: Callable[[], 
 
     try:
         with contextlib.nullcontext() if kind == TE_LAYER else deterministic_kernels():
-            check = compare_grads(once(reference), once(step))
-    except RuntimeError as err:  # no deterministic kernel for some op; a lost device goes up as DeviceLost
+            plain, treated = once(reference), once(step)
+        changed = sum(not torch.equal(a, b) for a, b in zip(inputs, _host_copies(model, x)))
+        check = compare_grads(plain, treated)
+    except Exception as err:  # the row keeps its timings; a lost device goes up as DeviceLost
         if not device_usable(device):
             raise
         return {"equal": None, "reason": _reason(err)}
-    return {"equal": check.equal, "compared": check.compared, "mismatched": len(check.mismatched),
-            "max_abs_diff": check.max_abs_diff, "first_mismatched": check.mismatched[:3]}
+    return {"equal": check.equal and not changed, "compared": check.compared, "mismatched": len(check.mismatched),
+            "max_abs_diff": check.max_abs_diff, "first_mismatched": check.mismatched[:3], "changed": changed}
 
 
 def _grads_cell(r: dict[str, Any]) -> str:
@@ -627,6 +638,8 @@ def _grads_cell(r: dict[str, Any]) -> str:
         return ""
     if g["equal"] is None:
         return "not compared: " + g["reason"]
+    if g.get("changed"):
+        return f"changed {g['changed']} of the input and weights"
     return "bitwise equal" if g["equal"] else f"{g['mismatched']} of {g['compared']} differ (max {g['max_abs_diff']:.3g})"
 
 
