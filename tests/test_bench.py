@@ -256,6 +256,22 @@ def test_a_strategy_that_changes_its_input_is_not_reported_equal(monkeypatch):
     assert "| changed 1 of the input and weights |" in bench.markdown(results)
 
 
+def test_a_strategy_that_loses_a_gradient_differs(monkeypatch):
+    """A gradient missing from the strategy's step is a difference, not a comparison that could not be made."""
+    real = bench.make_forward
+
+    def detached_input(strategy, *args):
+        forward, engine = real(strategy, *args)
+        return ((lambda x: forward(x.detach())) if strategy == "checkpoint" else forward), engine
+
+    monkeypatch.setattr(bench, "make_forward", detached_input)
+    config = bench.BenchConfig.tiny(models=("B",), ks=(1,), strategies=("no offload", "checkpoint"))
+    results = bench.run(config, "cpu", stream=io.StringIO())
+    g = {r["strategy"]: r for r in results["models"][0]["runs"]}["checkpoint"]["grads"]
+    assert g["equal"] is False and g["first_mismatched"] == ["input"]
+    assert f"| 1 of {g['compared']} differ (max inf) |" in bench.markdown(results)
+
+
 def test_transformer_engines_offload_is_skipped_on_torch_layers(monkeypatch):
     """TE's offload raised on PyTorch's layers and kept ~77 GiB allocated on the H100: skipped, with why."""
     monkeypatch.setattr(bench, "has_transformer_engine", lambda: True)

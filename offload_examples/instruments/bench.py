@@ -623,6 +623,10 @@ def _grads_check(model: nn.ModuleList, x: torch.Tensor, reference: Callable[[], 
         with contextlib.nullcontext() if kind == TE_LAYER else deterministic_kernels():
             plain, treated = once(reference), once(step)
         changed = sum(not torch.equal(a, b) for a, b in zip(inputs, _host_copies(model, x)))
+        if plain.grads.keys() != treated.grads.keys():  # a gradient missing (or extra) is a difference too
+            missing = sorted(plain.grads.keys() ^ treated.grads.keys())
+            return {"equal": False, "compared": len(plain.grads) + 1, "mismatched": len(missing),
+                    "max_abs_diff": float("inf"), "first_mismatched": missing[:3], "changed": changed}
         check = compare_grads(plain, treated)
     except Exception as err:  # the row keeps its timings; a lost device goes up as DeviceLost
         if not device_usable(device):
