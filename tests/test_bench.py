@@ -133,7 +133,7 @@ def test_a_strategy_that_leaves_the_device_unusable_is_left_out_and_the_model_st
 def test_a_lost_device_in_the_planner_or_a_pair_by_pair_run_leaves_out_only_that_run(monkeypatch):
     """The planner's costs, and the engine against TE pair by pair, run outside the strategies' rows: a
     lost device there leaves out the planner, or the pairs, and every other row still runs."""
-    lost = []
+    lost, real_forward = [], bench.make_forward
     monkeypatch.setattr(bench, "device_usable", lambda device: not lost)
 
     def costs_crash(*args):
@@ -153,7 +153,6 @@ def test_a_lost_device_in_the_planner_or_a_pair_by_pair_run_leaves_out_only_that
     assert "5/5 done" in out.getvalue()
 
     # model A, where the engine meets Transformer Engine pair by pair (TE's own rows made to look run)
-    monkeypatch.setattr(bench, "_planner_setup", bench._planner_setup)
     monkeypatch.setattr(bench, "_both_ran", lambda runs, k: True)
     def alternating_crash(*args, **kwargs):
         lost.append(True)
@@ -161,7 +160,7 @@ def test_a_lost_device_in_the_planner_or_a_pair_by_pair_run_leaves_out_only_that
 
     monkeypatch.setattr(bench, "_alternating", alternating_crash)
     monkeypatch.setattr(bench, "make_forward", lambda strategy, *a: (lambda x: x, None)
-                        if strategy == "transformer_engine" else real_make_forward(strategy, *a))
+                        if strategy == "transformer_engine" else real_forward(strategy, *a))
     seen.clear()
     config = bench.BenchConfig.tiny(models=("A",), ks=(2,), strategies=("no offload", "engine"))
     results = bench.run(config, "cpu", stream=io.StringIO())
@@ -169,9 +168,6 @@ def test_a_lost_device_in_the_planner_or_a_pair_by_pair_run_leaves_out_only_that
     assert seen == [set(), {bench.HEAD_TO_HEAD_RUN}]
     assert [r["status"] for r in model["runs"]] == ["ok", "ok"]  # the engine's row kept
     assert model["head_to_head"][0]["status"] == "skipped" and "left the device unusable" in model["head_to_head"][0]["reason"]
-
-
-real_make_forward = bench.make_forward
 
 
 def _recording(real, seen, lost):
