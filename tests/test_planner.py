@@ -29,6 +29,7 @@ from offload_examples.features.planner import (
     Choice,
     LayerCost,
     LinkCost,
+    ModuleCost,
     Plan,
     SubsetSchedule,
     _prefix_front,
@@ -51,12 +52,16 @@ def instance(data, exact: bool, max_layers: int = 6):
     per_choice = data.draw(st.booleans(), label="times measured per choice")
     optional = st.one_of(st.none(), ms) if per_choice else st.none()
     sizes_known = data.draw(st.booleans(), label="storage sizes known (byte caps possible)")
+    module_options = data.draw(st.integers(0, 2 if n <= 4 else 1), label="submodules that may be recomputed")
     costs = []
     for _ in range(n):
         saved = data.draw(nbytes)
+        modules = tuple(ModuleCost(f"m{i}", data.draw(nbytes), data.draw(nbytes), data.draw(ms))
+                        for i in range(module_options))
         costs.append(LayerCost(data.draw(ms), data.draw(ms), saved, data.draw(nbytes), data.draw(optional),
                                data.draw(optional), data.draw(optional),
-                               split(data, saved, MB if exact else 1) if sizes_known else None))
+                               split(data, saved, MB if exact else 1) if sizes_known else None,
+                               recompute_modules=modules))
     link = LinkCost(data.draw(bw), data.draw(bw), data.draw(bw))
     base = data.draw(st.integers(0, 4).map(lambda x: x * MB) if exact else st.integers(0, 10**6), label="base")
     return costs, link, base
@@ -69,25 +74,30 @@ def split(data, total: int, unit: int) -> tuple[int, ...]:
     return tuple(b - a for a, b in zip([0, *points], [*points, total])) if total else ()
 
 
-def every_plan(n: int, prefix_only: bool):
-    for ch in itertools.product(Choice, repeat=n):
+def every_plan(costs, prefix_only: bool):
+    """``(choices, modules)`` of every plan: a recomputed layer whole or any of its submodules."""
+    per_layer = [[(KEEP, None), (OFFLOAD, None), (RECOMPUTE, None)]
+                 + [(RECOMPUTE, m.module) for m in c.recompute_modules] for c in costs]
+    for picked in itertools.product(*per_layer):
+        ch = tuple(c for c, _ in picked)
         k = ch.count(OFFLOAD)
         if ch[-1] is not OFFLOAD and (not prefix_only or all(c is OFFLOAD for c in ch[:k])):
-            yield ch
+            yield ch, tuple(m for _, m in picked)
 
 
 def brute_force(costs, link, base, prefix_only, partial=True):
-    """Every plan and its simulation: choices, and caps on the last offloaded layer at the sum of each
-    run of its first storages (the plans the planner searches; a cap between two sums offloads what the
-    lower one does, and only prefixes are tried: a cap that skips a storage to take a later one is not)."""
+    """Every plan and its simulation: choices, the submodule of each recomputed layer (or all of it),
+    and caps on the last offloaded layer at the sum of each run of its first storages (the plans the
+    planner searches; a cap between two sums offloads what the lower one does, and only prefixes are
+    tried: a cap that skips a storage to take a later one is not)."""
     out = {}
-    for ch in every_plan(len(costs), prefix_only):
+    for ch, modules in every_plan(costs, prefix_only):
         last = max((i for i, c in enumerate(ch) if c is OFFLOAD), default=None)
         sizes = costs[last].storage_bytes if last is not None and partial else None
         caps = [None] + [sum(sizes[:i]) for i in range(1, len(sizes))] if sizes else [None]
         for cap in caps:
             per_layer = tuple(cap if i == last else None for i in range(len(ch)))
-            out[ch, per_layer] = simulate_plan(ch, costs, link, base, per_layer)
+            out[ch, per_layer, modules] = simulate_plan(ch, costs, link, base, per_layer, modules)
     return out
 
 
@@ -106,8 +116,9 @@ def check_against_brute_force(data, exact: bool, prefix_only: bool, max_layers: 
     budget = draw_budget(data, results)
     got = plan(costs, link, budget, base, prefix_only=prefix_only)
     fits = {ch: r for ch, r in results.items() if r[0] <= budget}
-    assert (got.predicted_peak_bytes, got.predicted_step_ms) == simulate_plan(got.choices, costs, link, base, got.caps)
-    assert got.choices in {ch for ch, _ in results}  # OFFLOAD only on a prefix when prefix_only
+    assert (got.predicted_peak_bytes, got.predicted_step_ms) == simulate_plan(got.choices, costs, link, base, got.caps,
+                                                                             got.modules)
+    assert (got.choices, got.caps, got.modules) in results  # OFFLOAD only on a prefix when prefix_only
     if not fits:
         assert not got.feasible and got.predicted_peak_bytes == min(p for p, _ in results.values())
         return
@@ -160,8 +171,8 @@ def test_search_states_predict_what_the_simulation_does(data):
     costs, link, _ = instance(data, exact=True)
     for k in range(len(costs)):
         for last in (None, *(planner.partial_caps(costs[k - 1]) if k else ())):
-            for alpha, peak, changes, choices, caps in _prefix_front(costs, link, k, math.inf, last):
-                assert simulate_plan(choices, costs, link, caps=caps) == (peak, alpha)
+            for alpha, peak, changes, choices, (caps, modules) in _prefix_front(costs, link, k, math.inf, last):
+                assert simulate_plan(choices, costs, link, caps=caps, modules=modules) == (peak, alpha)
                 assert choices[:k] == (OFFLOAD,) * k and changes == sum(c is not KEEP for c in choices)
                 assert caps == tuple(last if i == k - 1 else None for i in range(len(costs)))
 
@@ -262,9 +273,11 @@ def test_serialisation_round_trips_and_prints_a_row_per_layer(data):
     got = plan(costs, link, budget, base)
     back = Plan.from_dict(json.loads(json.dumps(got.to_dict())))
     assert back == got and all(isinstance(c, Choice) for c in back.choices)
-    rows = re.findall(r"^\s*(\d+)\s+(keep|offload|recompute)( up to [0-9.]+ (?:MiB|bytes))?$", str(got), flags=re.MULTILINE)
-    assert rows == [(str(i), c.value, "" if cap is None else f" up to {cap / 2**20:.2f} MiB" if cap >= 2**20
-                     else f" up to {cap} bytes") for i, (c, cap) in enumerate(zip(got.choices, got.caps))]
+    rows = re.findall(r"^\s*(\d+)\s+(keep|offload|recompute)( up to [0-9.]+ (?:MiB|bytes)| m\d)?$", str(got),
+                      flags=re.MULTILINE)
+    assert rows == [(str(i), c.value, "" if cap is None and module is None else f" {module}" if module is not None
+                     else f" up to {cap / 2**20:.2f} MiB" if cap >= 2**20 else f" up to {cap} bytes")
+                    for i, (c, cap, module) in enumerate(zip(got.choices, got.caps, got.modules))]
 
 
 def test_prefix_and_engine_call():
@@ -819,3 +832,139 @@ def test_module_names_come_from_an_extra_step_and_only_where_the_steps_agree(mon
     layers[0].add_module("compiled", compiled())
     costs, _ = plan_costs.measure_costs(layers, x, steps=1, per_choice=False)
     assert all(c.storage_modules is None for c in costs)
+
+
+# ---------------------------------------------------------------------- recomputing one submodule
+def test_recomputing_a_submodule_is_chosen_where_it_frees_enough_for_less():
+    """Two layers of 8 MB; recomputing a layer keeps 1 MB and costs 4 ms, recomputing its MLP keeps
+    3 MB and costs 1 ms (2 MB held again while its backward runs). A budget that needs 5 MB freed
+    recomputes the MLP of layer 0 (1 ms); one that needs 8 MB, both MLPs (2 ms), not a whole layer."""
+    mb = 1_000_000
+    mlp = ModuleCost("mlp", kept_bytes=3 * mb, module_bytes=2 * mb, recompute_ms=1.0)
+    layer = LayerCost(2.0, 2.0, 8 * mb, mb, recompute_ms=4.0, recompute_modules=(mlp,))
+    costs, link = [layer] * 2, LinkCost(1.0, 1.0, 1.0)
+    keep_peak, keep_ms = simulate_plan((KEEP, KEEP), costs, link)
+    got = plan(costs, link, keep_peak - 5 * mb)
+    assert (got.choices, got.modules) == ((RECOMPUTE, KEEP), ("mlp", None))
+    assert got.predicted_step_ms == keep_ms + 1.0 and got.recomputed_modules == {0: "mlp"}
+    assert got.summary() == "recompute mlp 0, keep 1" and got.describe(0) == "recompute mlp"
+    both = plan(costs, link, keep_peak - 8 * mb)
+    assert (both.choices, both.modules, both.predicted_step_ms) == ((RECOMPUTE,) * 2, ("mlp",) * 2, keep_ms + 2.0)
+    whole = plan(costs, link, keep_peak - 8 * mb, prefix_only=False)  # the exhaustive search agrees
+    assert (whole.choices, whole.modules) == (both.choices, both.modules)
+    # the peak: layer 0's backward holds its 3 MB, the MLP's 2 MB again, and layer 1 is freed by then
+    assert simulate_plan((RECOMPUTE, KEEP), costs, link, modules=("mlp", None))[0] == keep_peak - 5 * mb
+    assert layer.scaled(2.0).recompute_modules == (ModuleCost("mlp", 3 * mb, 2 * mb, 2.0),)
+    assert LayerCost(**json.loads(json.dumps(dataclasses.asdict(layer)))) == layer  # as the bench stores costs
+
+
+def test_module_recompute_bad_input_says_what_is_wrong():
+    link, layer = LinkCost(1.0, 1.0, 1.0), LayerCost(1.0, 1.0, 10, 1, recompute_modules=(ModuleCost("mlp", 5, 5, 1.0),))
+    with pytest.raises(ValueError, match="no cost for recomputing the submodule 'attn' \\(measured: mlp\\)"):
+        simulate_plan((RECOMPUTE, KEEP), [layer] * 2, link, modules=("attn", None))
+    with pytest.raises(ValueError, match="modules\\[1\\] is set but layer 1 is not recomputed"):
+        simulate_plan((RECOMPUTE, KEEP), [layer] * 2, link, modules=(None, "mlp"))
+    with pytest.raises(ValueError, match="one module name"):
+        Plan((RECOMPUTE, KEEP), 0, 0.0, modules=("mlp",))
+    with pytest.raises(ValueError, match="one per module name"):
+        LayerCost(1.0, 1.0, 10, 1, recompute_modules=(ModuleCost("mlp", 5, 5, 1.0),) * 2)
+    with pytest.raises(ValueError, match="kept_bytes"):
+        ModuleCost("mlp", -1, 5, 1.0)
+    with pytest.raises(ValueError, match="non-empty str"):
+        ModuleCost("", 1, 5, 1.0)
+
+
+def _basic(n=3, seed=1):
+    from offload_examples.instruments.models import build_basic_model
+
+    model = build_basic_model(n, 32, 4, 64, kind="torch")
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+    return model, x
+
+
+def test_a_checkpointed_submodule_recomputes_bitwise_and_leaves_the_layer_as_it_was():
+    """Checkpointed(layer, "transformer.self_attn"): the attention (given one tensor as query, key and
+    value, which it tests for identity) is recomputed, the gradients equal a plain step's bit for bit,
+    the layer keeps its forward and state_dict keys, also after a failing step."""
+    from offload_examples.instruments.measure import compare_grads, snapshot, training_step
+
+    model, x = _basic()
+    reference = snapshot(model, x, training_step(model, x))
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    attn = model[0].transformer.self_attn
+    keys = list(model[0].state_dict())
+    runs = []
+    attn.register_forward_hook(lambda *a: runs.append(1))  # a hook runs once: around the first forward only
+    wrapped = [Checkpointed(model[0], "transformer.self_attn"), model[1], model[2]]
+    got = snapshot(model, x, training_step(wrapped, x))
+    assert compare_grads(reference, got).equal and runs == [1]
+    assert "forward" not in attn.__dict__ and list(model[0].state_dict()) == keys
+    assert "module='transformer.self_attn'" in repr(wrapped[0])
+    with pytest.raises(RuntimeError):
+        wrapped[0](torch.randn(2, 16, 31))  # wrong width: fails inside the layer
+    assert "forward" not in attn.__dict__
+    with pytest.raises(AttributeError, match="no attribute `attn`"):
+        Checkpointed(model[0], "transformer.attn")
+
+
+def test_a_plan_recomputing_a_submodule_applies_and_runs_bitwise():
+    """apply_plan with Plan.modules: the named submodule is checkpointed inside its layer, next to an
+    offloaded layer and a layer recomputed whole; gradients bitwise, two steps."""
+    from offload_examples.features.planner import apply_plan
+    from offload_examples.instruments.measure import snapshot, training_step
+
+    model, x = _basic(4)
+    reference = snapshot(model, x, training_step(model, x))
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    choices = (OFFLOAD, RECOMPUTE, RECOMPUTE, KEEP)
+    chosen = Plan(choices, 0, 0.0, modules=(None, "transformer.self_attn", None, None))
+    ctx, sync, layers = apply_plan(chosen, list(model), device="cpu")
+    assert [getattr(layer, "module", "-") for layer in layers] == ["-", "transformer.self_attn", None, "-"]
+    _check_plan_steps(choices, model, x, reference, (ctx, sync, layers), steps=2)
+
+
+def test_measured_submodule_costs_are_what_the_layer_holds_with_it_recomputed():
+    """measure_costs finds the attention and the second linear as the basic layer's candidates; the
+    linear's recomputation frees nothing (checkpointing keeps its input, all it saves) and is dropped;
+    the attention's kept bytes are what the engine counts for the layer with the attention
+    checkpointed, its bytes what the attention saves."""
+    from offload_examples import get_cpu_offload_context
+    from offload_examples.instruments.measure import training_step
+    from offload_examples.instruments.plan_costs import _bytes_under, measure_costs, module_candidates
+
+    model, x = _basic(3)
+    costs, _ = measure_costs(list(model), x, steps=2)
+    assert module_candidates(model[0], costs[0]) == ["transformer.self_attn", "transformer.linear2"]
+    assert costs[1].recompute_modules == costs[2].recompute_modules  # one kind (layer 0 takes a leaf: another)
+    probe, sync = get_cpu_offload_context(enabled=True, num_layers=0, model_layers=3, device="cpu")
+    wrapped = [Checkpointed(layer, "transformer.self_attn") for layer in model]
+    training_step(wrapped, x, probe, sync)
+    for cost, counted in zip(costs, probe.stats):
+        (attn,) = cost.recompute_modules
+        assert attn.module == "transformer.self_attn" and attn.recompute_ms >= 0
+        assert attn.kept_bytes == counted.candidate_bytes < cost.saved_bytes
+        assert attn.module_bytes == _bytes_under(cost)["transformer.self_attn"] > 0
+    none, _ = measure_costs(list(model), x, steps=1, recompute_modules=())
+    assert all(c.recompute_modules == () for c in none)
+    asked, _ = measure_costs(list(model), x, steps=1, recompute_modules=["transformer.norm1", "nowhere"])
+    assert [m.module for m in asked[0].recompute_modules] in ([], ["transformer.norm1"])  # frees nothing: dropped
+
+
+def test_module_candidates_look_into_a_module_that_is_almost_the_layer():
+    """A layer = linear (5 %) + block (95 %: attention 40 %, mlp 55 %): the candidates are block.mlp
+    and block.attn, largest first; the linear saves too little, the block is nearly the whole layer."""
+    from torch import nn
+
+    from offload_examples.instruments.plan_costs import module_candidates
+
+    block = nn.Module()
+    block.attn, block.mlp = nn.Linear(2, 2), nn.Linear(2, 2)
+    block.forward = lambda x: x  # noqa: E731 (a module with a forward: not a container)
+    layer = nn.Module()
+    layer.linear, layer.block = nn.Linear(2, 2), block
+    cost = LayerCost(1.0, 1.0, 100, 1, storage_bytes=(5, 40, 50, 5),
+                     storage_modules=("linear", "block.attn", "block.mlp", "block"))
+    assert module_candidates(layer, cost) == ["block.mlp", "block.attn"]
+    assert module_candidates(layer, dataclasses.replace(cost, storage_modules=None, storage_bytes=None)) == []

@@ -139,3 +139,32 @@ def test_gpu_compare_with_te_takes_turns_and_keeps_every_bit(te, cuda, recipe):
     for name in ("this engine", "Transformer Engine"):
         assert row[name]["bitwise_equal"], name
         assert row[name]["saving_bytes"] > 0, (name, row[name])
+
+
+def test_gpu_te_plans_recompute_te_submodules_bitwise(te, cuda):
+    """measure_costs finds submodules of TE's TransformerLayer to recompute alone, each freeing part of
+    what the layer holds; a plan recomputing TE's MLP in one layer and its attention in another, beside
+    two offloaded layers, gives the plain step's output and gradients bit for bit (TE's offload path)."""
+    from offload_examples.features.planner import KEEP, OFFLOAD, RECOMPUTE, Plan, apply_plan
+    from offload_examples.instruments.measure import snapshot, training_step
+    from offload_examples.instruments.plan_costs import measure_costs
+
+    model, x = tutorial_model(te, cuda), data(cuda)
+    costs, _ = measure_costs(list(model), x, steps=2)
+    options = {m.module: m for m in costs[1].recompute_modules}
+    assert {"1.layernorm_mlp", "1.self_attention"} & set(options), costs[1]
+    for cost in costs:
+        assert all(m.kept_bytes < cost.saved_bytes and m.module_bytes > 0 for m in cost.recompute_modules)
+    with te_path.offload_path():
+        reference = snapshot(model, x, training_step(model, x))
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    choices = (OFFLOAD, OFFLOAD, RECOMPUTE, RECOMPUTE, KEEP, KEEP)
+    chosen = Plan(choices, 0, 0.0, modules=(None, None, "1.layernorm_mlp", "1.self_attention", None, None))
+    ctx, sync, layers = apply_plan(chosen, list(model), cuda)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        check = compare_grads(reference, snapshot(model, x, training_step(layers, x, ctx, sync)))
+        assert check.equal, check
+        assert [s.offloaded_bytes > 0 for s in ctx.stats] == [c is OFFLOAD for c in choices]

@@ -6,6 +6,12 @@ The step modelled is :class:`~offload_examples.core.schedule.DefaultSchedule`'s:
 - ``KEEP``: its ``saved_bytes`` stay on the device from its forward to the end of its backward.
 - ``RECOMPUTE``: only its ``input_bytes`` stay; its backward first re-runs the forward
   (``LayerCost.recompute_extra_ms`` more) and holds ``saved_bytes`` on top of the input while it runs.
+- ``RECOMPUTE`` of one submodule (``Plan.modules``): the layer keeps what it saves outside that module
+  and the module's input (:attr:`ModuleCost.kept_bytes`, measured with the module checkpointed); its
+  backward re-runs the module's forward (:attr:`ModuleCost.recompute_ms` more) and holds what the module
+  saves (:attr:`ModuleCost.module_bytes`) on top while it runs. The options come from
+  ``LayerCost.recompute_modules`` (:func:`~offload_examples.instruments.plan_costs.measure_costs`
+  measures them); :func:`apply_plan` wraps the module in checkpointing inside the unchanged layer.
 - ``OFFLOAD``: its ``saved_bytes`` are copied out from the end of its forward and released, and
   reloaded, at :class:`SubsetSchedule`'s points (for the first ``k`` layers these are exactly
   ``DefaultSchedule(k, N)``'s; :func:`apply_plan` runs any set on the engine). A release waits for its copy
@@ -33,9 +39,10 @@ the last forward, every reload starts at a backward, so the two directions are n
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 import dataclasses
 from dataclasses import dataclass
 from enum import Enum
@@ -50,7 +57,8 @@ from ..core.streams import resolve_device
 from ..core.te_path import recompute_on_same_path
 
 __all__ = [
-    "KEEP", "OFFLOAD", "RECOMPUTE", "Checkpointed", "Choice", "LayerCost", "LinkCost", "Plan", "SubsetSchedule",
+    "KEEP", "OFFLOAD", "RECOMPUTE", "Checkpointed", "Choice", "LayerCost", "LinkCost", "ModuleCost", "Plan",
+    "SubsetSchedule",
     "apply_plan", "cap_in_modules", "capped_bytes", "offload_schedule", "pareto", "partial_caps", "plan", "simulate_plan",
 ]
 
@@ -86,6 +94,33 @@ TIME_FIELDS = ("forward_ms", "backward_ms", "offloaded_forward_ms", "offloaded_b
 
 
 @dataclass(frozen=True)
+class ModuleCost:
+    """Recomputing one submodule of a layer instead of the whole layer: what the layer then holds, and
+    what it costs.
+
+    Only the module's saved tensors are dropped and made again in the backward; what the rest of the
+    layer saves stays on the device, and so does the module's input (checkpointing keeps it). A
+    module whose input is large against what it saves (a linear layer) frees little; one that saves
+    many intermediates from a small input (an MLP with its activation) frees much.
+    """
+
+    #: Its name inside the layer: ``layer.get_submodule(module)``.
+    module: str
+    #: What the layer's forward holds for its backward with the module recomputed.
+    kept_bytes: int
+    #: What the module's forward saves: held again, on top, while the layer's backward runs.
+    module_bytes: int
+    #: What recomputing it adds to the step (ms), counted in the layer's backward.
+    recompute_ms: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.module, str) or not self.module:
+            raise ValueError(f"ModuleCost.module must name a submodule (a non-empty str), got {self.module!r}")
+        for name, kind in (("kept_bytes", int), ("module_bytes", int), ("recompute_ms", float)):
+            _check("ModuleCost", name, getattr(self, name), kind)
+
+
+@dataclass(frozen=True)
 class LayerCost:
     """One layer's measured costs: compute time (ms) and what its forward holds for backward (bytes).
 
@@ -110,6 +145,8 @@ class LayerCost:
     #: saved it first, the innermost one; ``""`` for the layer's own forward. What a byte cap offloads,
     #: said in modules (:func:`cap_in_modules`). ``None``: unknown.
     storage_modules: tuple[str, ...] | None = None
+    #: Submodules that may be recomputed alone, each with what that keeps and costs (one per name).
+    recompute_modules: tuple[ModuleCost, ...] = ()
 
     def __post_init__(self) -> None:
         for name, kind in (("forward_ms", float), ("backward_ms", float), ("saved_bytes", int), ("input_bytes", int),
@@ -129,24 +166,48 @@ class LayerCost:
             if self.storage_bytes is None or len(names) != len(self.storage_bytes) \
                     or not all(isinstance(name, str) for name in names):
                 raise ValueError("LayerCost.storage_modules must name one module (a str) per entry of storage_bytes")
+        # dicts read back from JSON (dataclasses.asdict) become ModuleCost
+        options = tuple(ModuleCost(**m) if isinstance(m, Mapping) else m for m in self.recompute_modules)
+        object.__setattr__(self, "recompute_modules", options)
+        if not all(isinstance(m, ModuleCost) for m in options) or len({m.module for m in options}) != len(options):
+            raise ValueError("LayerCost.recompute_modules must be ModuleCost entries, one per module name")
 
     def scaled(self, factor: float) -> LayerCost:
         """The same costs with every time multiplied by ``factor`` (the bytes unchanged)."""
-        return dataclasses.replace(self, **{name: getattr(self, name) * factor for name in TIME_FIELDS
-                                            if getattr(self, name) is not None})
+        modules = tuple(dataclasses.replace(m, recompute_ms=m.recompute_ms * factor) for m in self.recompute_modules)
+        return dataclasses.replace(self, recompute_modules=modules,
+                                   **{name: getattr(self, name) * factor for name in TIME_FIELDS
+                                      if getattr(self, name) is not None})
+
+    def module_cost(self, module: str) -> ModuleCost:
+        """The entry of ``recompute_modules`` named ``module``; ``ValueError`` when there is none."""
+        for m in self.recompute_modules:
+            if m.module == module:
+                return m
+        known = ", ".join(m.module for m in self.recompute_modules) or "none"
+        raise ValueError(f"no cost for recomputing the submodule {module!r} (measured: {known})")
+
+    def recompute_terms(self, module: str | None = None) -> tuple[int, int, float]:
+        """Recomputing the layer (``module=None``) or one submodule: ``(bytes held from the forward to
+        the backward, bytes held again on top while the backward runs, ms added to the backward)``."""
+        if module is None:
+            return self.input_bytes, self.saved_bytes, self.recompute_extra_ms
+        m = self.module_cost(module)
+        return m.kept_bytes, m.module_bytes, m.recompute_ms
 
     @property
     def recompute_extra_ms(self) -> float:
         """What recomputing adds to the step, counted in the layer's backward."""
         return self.forward_ms if self.recompute_ms is None else self.recompute_ms
 
-    def phase_ms(self, choice: Choice) -> tuple[float, float]:
-        """``(forward ms, backward ms)`` of the layer under ``choice``."""
+    def phase_ms(self, choice: Choice, module: str | None = None) -> tuple[float, float]:
+        """``(forward ms, backward ms)`` of the layer under ``choice`` (``module``: the submodule a
+        RECOMPUTE recomputes, ``None`` for the whole layer)."""
         if choice is OFFLOAD:
             return (self.forward_ms if self.offloaded_forward_ms is None else self.offloaded_forward_ms,
                     self.backward_ms if self.offloaded_backward_ms is None else self.offloaded_backward_ms)
         if choice is RECOMPUTE:
-            return self.forward_ms, self.backward_ms + self.recompute_extra_ms
+            return self.forward_ms, self.backward_ms + self.recompute_terms(module)[2]
         return self.forward_ms, self.backward_ms
 
 
@@ -252,10 +313,13 @@ def offload_schedule(offloaded: Sequence[int], n: int) -> DefaultSchedule:
 
 
 def simulate_plan(choices: Sequence[Choice | str], costs: Sequence[LayerCost], link: LinkCost,
-                  base_bytes: int = 0, caps: Sequence[int | None] | None = None) -> tuple[int, float]:
+                  base_bytes: int = 0, caps: Sequence[int | None] | None = None,
+                  modules: Sequence[str | None] | None = None) -> tuple[int, float]:
     """``(peak_bytes, step_ms)`` that the model predicts for one choice per layer.
 
     ``caps``: per layer, the byte cap of an offloaded layer (``None``: all of it), as in ``Plan.caps``.
+    ``modules``: per layer, the submodule a recomputed layer recomputes (``None``: the whole layer),
+    as in ``Plan.modules``; it must be one of that layer's ``LayerCost.recompute_modules``.
     """
     choices = tuple(Choice(c) for c in choices)
     n = len(costs)
@@ -264,16 +328,35 @@ def simulate_plan(choices: Sequence[Choice | str], costs: Sequence[LayerCost], l
     if choices[-1] is OFFLOAD:
         raise ValueError("the last layer cannot be offloaded: its backward runs first")
     caps = _checked_caps(caps, choices)
+    modules = _checked_modules(modules, choices)
     sched = offload_schedule([i for i, c in enumerate(choices) if c is OFFLOAD], n)
     off = [capped_bytes(c, cap) if ch is OFFLOAD else 0 for c, ch, cap in zip(costs, choices, caps)]
-    kept = [{KEEP: c.saved_bytes, RECOMPUTE: c.input_bytes, OFFLOAD: c.saved_bytes - o}[ch]
-            for c, ch, o in zip(costs, choices, off)]
+    # a recomputed layer holds its kept bytes from its forward on, and its module's (or whole) saved bytes again in its backward
+    terms = [c.recompute_terms(m) if ch is RECOMPUTE else None for c, ch, m in zip(costs, choices, modules)]
+    kept = [{KEEP: c.saved_bytes, OFFLOAD: c.saved_bytes - o}[ch] if t is None else t[0]
+            for c, ch, o, t in zip(costs, choices, off, terms)]
     points = sched.simulate(off, kept).points
-    peak = max(total + (costs[j].saved_bytes if phase == "backward" and choices[j] is RECOMPUTE else 0)
+    peak = max(total + (terms[j][1] if phase == "backward" and terms[j] is not None else 0)
                for phase, j, _, total in points)
-    fwd, bwd = zip(*(c.phase_ms(ch) for c, ch in zip(costs, choices)))
+    fwd, bwd = zip(*(c.phase_ms(ch, m) for c, ch, m in zip(costs, choices, modules)))
     ms = sched.predict_step_ms(fwd, bwd, off, link.d2h_gb_per_s, link.h2d_gb_per_s)
     return base_bytes + peak, ms
+
+
+def _checked_modules(modules: Sequence[str | None] | None, choices: tuple[Choice, ...]) -> tuple[str | None, ...]:
+    """``modules`` as one entry per layer (all ``None`` when not given); a name only on a recomputed layer."""
+    if modules is None or len(modules) == 0:
+        return (None,) * len(choices)
+    modules = tuple(modules)
+    if len(modules) != len(choices):
+        raise ValueError(f"need one module name (or None) per layer ({len(choices)} layers), got {len(modules)}")
+    for i, (name, ch) in enumerate(zip(modules, choices)):
+        if name is not None:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"modules[{i}] must be a submodule's name (a non-empty str) or None, got {name!r}")
+            if ch is not RECOMPUTE:
+                raise ValueError(f"modules[{i}] is set but layer {i} is not recomputed ({ch.value})")
+    return modules
 
 
 def _checked_caps(caps: Sequence[int | None] | None, choices: tuple[Choice, ...]) -> tuple[int | None, ...]:
@@ -299,7 +382,9 @@ class Plan:
     When ``feasible`` is False no plan fits ``budget_bytes``: the choices are then those of the plan
     with the lowest peak, and ``why`` says by how much it misses. ``caps`` holds, per layer, the byte
     cap of an offloaded layer that offloads only part of what it saves (``None``: all of it, and for
-    every layer not offloaded); :func:`apply_plan` hands them to the engine.
+    every layer not offloaded); :func:`apply_plan` hands them to the engine. ``modules`` holds, per
+    layer, the submodule a recomputed layer recomputes (``None``: the whole layer, and for every layer
+    not recomputed); :func:`apply_plan` checkpoints that module inside the layer.
     """
 
     choices: tuple[Choice, ...]
@@ -312,10 +397,12 @@ class Plan:
     #: Per layer, what its cap offloads in module names (:func:`cap_in_modules`), or ``None`` (no cap,
     #: or the modules unknown). :func:`plan` fills it in; printing the plan shows it.
     parts: tuple[str | None, ...] = ()
+    modules: tuple[str | None, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "choices", tuple(Choice(c) for c in self.choices))
         object.__setattr__(self, "caps", _checked_caps(self.caps, self.choices))
+        object.__setattr__(self, "modules", _checked_modules(self.modules, self.choices))
         parts = tuple(self.parts) or (None,) * len(self.choices)
         if len(parts) != len(self.choices) or any(p is not None and (cap is None or not isinstance(p, str))
                                                   for p, cap in zip(parts, self.caps)):
@@ -330,7 +417,13 @@ class Plan:
 
     @property
     def recomputed(self) -> tuple[int, ...]:
+        """The layers recomputed, whole or one submodule of them."""
         return tuple(i for i, c in enumerate(self.choices) if c is RECOMPUTE)
+
+    @property
+    def recomputed_modules(self) -> dict[int, str]:
+        """``{layer: submodule}`` of the layers that recompute one submodule, not the whole layer."""
+        return {i: name for i, name in enumerate(self.modules) if name is not None}
 
     @property
     def capped(self) -> dict[int, int]:
@@ -340,24 +433,27 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         return {"choices": [c.value for c in self.choices], "predicted_peak_bytes": self.predicted_peak_bytes,
                 "predicted_step_ms": self.predicted_step_ms, "feasible": self.feasible, "why": self.why,
-                "budget_bytes": self.budget_bytes, "caps": list(self.caps), "parts": list(self.parts)}
+                "budget_bytes": self.budget_bytes, "caps": list(self.caps), "parts": list(self.parts),
+                "modules": list(self.modules)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
         return cls(tuple(data["choices"]), int(data["predicted_peak_bytes"]), float(data["predicted_step_ms"]),
                    bool(data["feasible"]), str(data.get("why", "")), data.get("budget_bytes"),
-                   tuple(data.get("caps") or ()), tuple(data.get("parts") or ()))
+                   tuple(data.get("caps") or ()), tuple(data.get("parts") or ()), tuple(data.get("modules") or ()))
 
     def describe(self, layer: int) -> str:
-        """``layer``'s choice in words: ``offload``, ``offload up to 96.00 MiB``, ``keep``..."""
-        cap = self.caps[layer]
+        """``layer``'s choice in words: ``offload``, ``offload up to 96.00 MiB``, ``recompute mlp``, ``keep``..."""
+        cap, module = self.caps[layer], self.modules[layer]
+        if module is not None:
+            return f"{self.choices[layer].value} {module}"
         if cap is None:
             return self.choices[layer].value
         return f"{self.choices[layer].value} up to " + (f"{cap / 2**20:.2f} MiB" if cap >= 2**20 else f"{cap} bytes")
 
     def summary(self) -> str:
-        """``offload 0-1, offload up to 96.00 MiB 2, recompute 3-5, keep 6-11``: each choice with its
-        layers, as ranges."""
+        """``offload 0-1, offload up to 96.00 MiB 2, recompute 3-5, recompute mlp 6, keep 7-11``: each
+        choice with its layers, as ranges."""
         groups: dict[str, list[list[int]]] = {}
         for i in range(len(self.choices)):
             runs = groups.setdefault(self.describe(i), [])
@@ -405,11 +501,18 @@ def _nondominated(items: list[tuple], dims: int) -> list[tuple]:
     return kept
 
 
+def _options(cost: LayerCost) -> list[tuple[Choice, str | None, int, int, float]]:
+    """What a layer after the offloaded ones may do: ``(choice, module, bytes held from its forward to its
+    backward, bytes held again on top during its backward, ms added to its backward)``, keeping first."""
+    return [(KEEP, None, cost.saved_bytes, 0, 0.0),
+            *((RECOMPUTE, m, *cost.recompute_terms(m)) for m in (None, *(o.module for o in cost.recompute_modules)))]
+
+
 def _prefix_front(costs: Sequence[LayerCost], link: LinkCost, k: int, cap: float,
                   last_cap: int | None = None) -> list[tuple]:
-    """``(step_ms, peak_saved_bytes, changes, choices, caps)`` of the non-dominated plans with the first
-    ``k`` layers offloaded (layer ``k - 1`` under the byte cap ``last_cap``, if given), the others kept
-    or recomputed, and at most ``cap`` bytes resident."""
+    """``(step_ms, peak_saved_bytes, changes, choices, (caps, modules))`` of the non-dominated plans with the
+    first ``k`` layers offloaded (layer ``k - 1`` under the byte cap ``last_cap``, if given), the others
+    kept or recomputed (whole or one submodule: :func:`_options`), and at most ``cap`` bytes resident."""
     n = len(costs)
     sched = DefaultSchedule(k, n)
     caps = tuple(last_cap if i == k - 1 else None for i in range(n))
@@ -431,22 +534,23 @@ def _prefix_front(costs: Sequence[LayerCost], link: LinkCost, k: int, cap: float
     bump = step_ms() + 1.0
     cut = {g: round(step_ms(g + 1, bump) - bump, _DECIMALS) for g in range(k - 1, n - 1)}
     cut[n - 1] = round(step_ms(), _DECIMALS)
-    states = [(cut[k - 1], fixed, 0, 0, ())]  # (alpha, peak so far, bytes held by layers k..j, recomputes, choices)
+    # (alpha, peak so far, bytes held by layers k..j, recomputes, options taken: (choice, module) per layer)
+    states = [(cut[k - 1], fixed, 0, 0, ())]
     for j in range(k, n):
-        c, new = costs[j], []
-        for alpha, peak, held, nrec, ch in states:
-            for rec in (False, True):
-                h = held + (c.input_bytes if rec else c.saved_bytes)
-                during = resident[("backward", j)] + h + (c.saved_bytes if rec else 0)
-                p = max(peak, resident[("forward", j)] + h, during)
+        new = []
+        for choice, module, keeps, again, extra_ms in _options(costs[j]):
+            rec = choice is RECOMPUTE
+            for alpha, peak, held, nrec, ch in states:
+                h = held + keeps
+                p = max(peak, resident[("forward", j)] + h, resident[("backward", j)] + h + again)
                 if p <= cap:
-                    a = round(max(alpha + (c.recompute_extra_ms if rec else 0.0), cut[j]), _DECIMALS)
-                    new.append((a, p, h, nrec + rec, ch + (rec,)))
+                    a = round(max(alpha + extra_ms, cut[j]), _DECIMALS)
+                    new.append((a, p, h, nrec + rec, ch + ((choice, module),)))
         if j < n - 1:
             states = _nondominated(new, 3)
         else:  # what the layers hold matters no more after the last one: equals go to fewer changes
             states = [(a, p, h, r, ch) for a, p, r, h, ch in _nondominated([(a, p, r, h, ch) for a, p, h, r, ch in new], 3)]
-    return [(alpha, peak, k + nrec, (OFFLOAD,) * k + tuple(RECOMPUTE if r else KEEP for r in ch), caps)
+    return [(alpha, peak, k + nrec, (OFFLOAD,) * k + tuple(c for c, _ in ch), (caps, (None,) * k + tuple(m for _, m in ch)))
             for alpha, peak, _, nrec, ch in states]
 
 
@@ -464,25 +568,37 @@ def _last_caps(costs: Sequence[LayerCost], choices: tuple[Choice, ...], partial:
             for cap in _caps_to_try(costs, last, partial)]
 
 
+def _every_plan(costs: Sequence[LayerCost], partial: bool):
+    """``(choices, caps, modules)`` of every plan: any set of offloaded layers, every recompute option."""
+    per_layer = [[(OFFLOAD, None)] + [(c, m) for c, m, *_ in _options(cost)] for cost in costs]
+    for picked in itertools.product(*per_layer):
+        ch, modules = tuple(c for c, _ in picked), tuple(m for _, m in picked)
+        if ch[-1] is not OFFLOAD:
+            for caps in _last_caps(costs, ch, partial):
+                yield ch, caps, modules
+
+
 def _front(costs: Sequence[LayerCost], link: LinkCost, base_bytes: int, cap: float,
            prefix_only: bool, partial: bool) -> list[tuple]:
-    """Non-dominated ``(rounded step_ms, peak_bytes, changes, step_ms, (choices, caps))`` with peak <= ``cap``."""
+    """Non-dominated ``(rounded step_ms, peak_bytes, changes, step_ms, (choices, caps, modules))`` with peak <= ``cap``."""
     n = len(costs)
     if prefix_only:
         found = [f for k in range(n) for last in _caps_to_try(costs, k - 1 if k else None, partial)
                  for f in _prefix_front(costs, link, k, cap - base_bytes, last)]
-        found = [f[3:] for f in _nondominated(found, 2)]  # then re-simulated: the numbers reported
+        found = [(f[3], *f[4]) for f in _nondominated(found, 2)]  # then re-simulated: the numbers reported
     elif n > EXHAUSTIVE_MAX_LAYERS:
         raise ValueError(f"prefix_only=False tries all 3^N plans: N={n} > {EXHAUSTIVE_MAX_LAYERS} layers is "
                          "too many (and the engine offloads only the first k layers)")
+    elif math.prod(3 + len(c.recompute_modules) for c in costs) > 3 ** EXHAUSTIVE_MAX_LAYERS:
+        raise ValueError(f"prefix_only=False tries every plan: with the submodules that may be recomputed there are "
+                         f"more than 3^{EXHAUSTIVE_MAX_LAYERS} of them")
     else:
-        found = [(ch, caps) for ch in itertools.product(Choice, repeat=n) if ch[-1] is not OFFLOAD
-                 for caps in _last_caps(costs, ch, partial)]
+        found = _every_plan(costs, partial)
     out = []
-    for ch, caps in found:
-        peak, ms = simulate_plan(ch, costs, link, base_bytes, caps)
+    for ch, caps, modules in found:
+        peak, ms = simulate_plan(ch, costs, link, base_bytes, caps, modules)
         if peak <= cap:
-            out.append((round(ms, _DECIMALS), peak, sum(c is not KEEP for c in ch), ms, (ch, caps)))
+            out.append((round(ms, _DECIMALS), peak, sum(c is not KEEP for c in ch), ms, (ch, caps, modules)))
     return _nondominated(out, 2)
 
 
@@ -496,22 +612,24 @@ def _validate(costs: Sequence[LayerCost], link: LinkCost, base_bytes: int) -> li
     return costs
 
 
-def _undo_free_recomputations(choices: tuple[Choice, ...], caps: tuple[int | None, ...], costs: Sequence[LayerCost],
-                              link: LinkCost, base_bytes: int, rounded_ms: float, peak: int) -> tuple[Choice, ...]:
-    """``choices`` with every RECOMPUTE turned back into KEEP where that costs neither time nor peak.
+def _undo_free_recomputations(choices: tuple[Choice, ...], caps: tuple[int | None, ...], modules: tuple[str | None, ...],
+                              costs: Sequence[LayerCost], link: LinkCost, base_bytes: int, rounded_ms: float,
+                              peak: int) -> tuple[tuple[Choice, ...], tuple[str | None, ...]]:
+    """``(choices, modules)`` with every RECOMPUTE (whole or of a submodule) turned back into KEEP where
+    that costs neither time nor peak.
 
     The search drops a state when another holds fewer bytes at equal time and peak; a recomputation
     that frees bytes no later layer needs can so win a tie with KEEP. Undoing it here makes the
     documented tie-break (fewer changes) hold for every plan.
     """
-    out = list(choices)
+    out, names = list(choices), list(modules)
     for i, c in enumerate(out):
         if c is RECOMPUTE:
-            trial = out[:i] + [KEEP] + out[i + 1:]
-            p, ms = simulate_plan(trial, costs, link, base_bytes, caps)
+            trial, trial_names = out[:i] + [KEEP] + out[i + 1:], names[:i] + [None] + names[i + 1:]
+            p, ms = simulate_plan(trial, costs, link, base_bytes, caps, trial_names)
             if p <= peak and round(ms, _DECIMALS) <= rounded_ms:
-                out = trial
-    return tuple(out)
+                out, names = trial, trial_names
+    return tuple(out), tuple(names)
 
 
 def plan(costs: Sequence[LayerCost], link: LinkCost, budget_bytes: int, base_bytes: int = 0,
@@ -561,19 +679,19 @@ def plan(costs: Sequence[LayerCost], link: LinkCost, budget_bytes: int, base_byt
     _check("plan", "budget_bytes", budget_bytes, int)
     front = _front(costs, link, base_bytes, budget_bytes, prefix_only, partial)
     if front:
-        rounded, peak, _, ms, (ch, caps) = front[0]
-        ch = _undo_free_recomputations(ch, caps, costs, link, base_bytes, rounded, peak)
-        peak, ms = simulate_plan(ch, costs, link, base_bytes, caps)
-        return Plan(ch, peak, ms, True, "", budget_bytes, caps, _parts(costs, caps))
-    _, peak, _, ms, (ch, caps) = min(_front(costs, link, base_bytes, math.inf, prefix_only, partial),
-                                     key=lambda p: p[1::-1])
+        rounded, peak, _, ms, (ch, caps, modules) = front[0]
+        ch, modules = _undo_free_recomputations(ch, caps, modules, costs, link, base_bytes, rounded, peak)
+        peak, ms = simulate_plan(ch, costs, link, base_bytes, caps, modules)
+        return Plan(ch, peak, ms, True, "", budget_bytes, caps, _parts(costs, caps), modules)
+    _, peak, _, ms, (ch, caps, modules) = min(_front(costs, link, base_bytes, math.inf, prefix_only, partial),
+                                              key=lambda p: p[1::-1])
     if base_bytes > budget_bytes:
         why = f"base_bytes={base_bytes} alone exceed the budget of {budget_bytes} bytes"
     else:
-        lowest = Plan(ch, peak, ms, caps=caps).summary()
+        lowest = Plan(ch, peak, ms, caps=caps, modules=modules).summary()
         why = (f"even the plan with the lowest peak ({lowest}) needs {peak} bytes > budget {budget_bytes} "
                f"bytes ({base_bytes} of them base_bytes)" + ("; OFFLOAD limited to a prefix" if prefix_only else ""))
-    return Plan(ch, peak, ms, False, why, budget_bytes, caps, _parts(costs, caps))
+    return Plan(ch, peak, ms, False, why, budget_bytes, caps, _parts(costs, caps), modules)
 
 
 def _parts(costs: Sequence[LayerCost], caps: tuple[int | None, ...]) -> tuple[str | None, ...]:
@@ -588,34 +706,81 @@ def pareto(costs: Sequence[LayerCost], link: LinkCost, base_bytes: int = 0, pref
     """
     costs = _validate(costs, link, base_bytes)
     front = _front(costs, link, base_bytes, math.inf, prefix_only, partial)
-    return [Plan(ch, peak, ms, caps=caps, parts=_parts(costs, caps))
-            for _, peak, _, ms, (ch, caps) in sorted(front, key=lambda p: p[1::-1])]
+    return [Plan(ch, peak, ms, caps=caps, parts=_parts(costs, caps), modules=modules)
+            for _, peak, _, ms, (ch, caps, modules) in sorted(front, key=lambda p: p[1::-1])]
+
+
+def _checkpointed(function: Any, *args: Any, **kwargs: Any) -> Any:
+    """``function(*args, **kwargs)`` under non-reentrant checkpointing, one tensor passed once.
+
+    The recomputation gets each tensor checkpoint kept as a new object: a module that tests its
+    arguments for identity would then compute something else than the first time
+    (``nn.MultiheadAttention`` projects ``query is key is value`` in one matmul, else in three), and
+    checkpointing refuses what it recomputes. So a tensor given in several places goes in once.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    unique = list({id(a): a for a in args if isinstance(a, torch.Tensor)}.values())
+    where = {id(t): j for j, t in enumerate(unique)}
+    spec = [(where[id(a)], None) if isinstance(a, torch.Tensor) else (None, a) for a in args]
+
+    def run(*tensors: torch.Tensor, **kw: Any) -> Any:
+        return function(*(a if j is None else tensors[j] for j, a in spec), **kw)
+
+    return checkpoint(run, *unique, use_reentrant=False, context_fn=recompute_on_same_path, **kwargs)
 
 
 class Checkpointed(nn.Module):
-    """Wrap a layer in activation recomputation (``torch.utils.checkpoint``, non-reentrant).
+    """Wrap a layer, or one submodule of it, in activation recomputation (``torch.utils.checkpoint``,
+    non-reentrant).
 
-    Only the layer's input is kept for backward; its forward runs again during backward, on the path
-    Transformer Engine's layers took the first time (:func:`~offload_examples.core.te_path.recompute_on_same_path`).
+    Without ``module`` only the layer's input is kept for backward and its forward runs again during
+    backward. With ``module`` (a name for ``layer.get_submodule``) the layer runs as it is, except that
+    that submodule's forward is checkpointed: the layer keeps what it saves outside the module, the
+    module keeps only its inputs, and its forward runs again when the backward reaches it. The layer
+    is not changed: the submodule's ``forward`` is replaced only while the layer's forward runs, so its
+    parameters, hooks and ``state_dict`` keys stay as they are. Either recomputation takes the path
+    Transformer Engine's layers took the first time
+    (:func:`~offload_examples.core.te_path.recompute_on_same_path`).
     """
 
-    def __init__(self, layer: nn.Module):
+    def __init__(self, layer: nn.Module, module: str | None = None):
         super().__init__()
         self.layer = layer
+        self.module = module
+        if module is not None:
+            if not isinstance(module, str) or not module:
+                raise ValueError(f"module must name a submodule of the layer (a non-empty str), got {module!r}")
+            layer.get_submodule(module)  # an unknown name fails here, not in the first step
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from torch.utils.checkpoint import checkpoint
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.module is None:
+            return _checkpointed(self.layer, *args, **kwargs)
+        sub = self.layer.get_submodule(self.module)
+        own = sub.__dict__.get("forward")  # a forward someone set on the instance: put back afterwards
+        original = sub.forward
+        # the recomputation calls `original` again, not `sub`: its hooks ran once, around the first call
+        sub.forward = functools.partial(_checkpointed, original)
+        try:
+            return self.layer(*args, **kwargs)
+        finally:
+            if own is None:
+                del sub.forward
+            else:
+                sub.forward = own
 
-        return checkpoint(self.layer, x, use_reentrant=False, context_fn=recompute_on_same_path)
+    def extra_repr(self) -> str:
+        return "" if self.module is None else f"module={self.module!r}"
 
 
 def apply_plan(chosen: Plan, layers: Sequence[nn.Module], device: torch.device | str | None = None,
                **engine_options: Any) -> tuple[OffloadEngine, Any, list[nn.Module]]:
     """A plan made runnable: ``(ctx, sync, layers)`` for the usual loop.
 
-    The returned layers are ``layers`` with every recomputed one wrapped in :class:`Checkpointed`;
-    ``ctx`` offloads exactly the plan's offloaded layers, at :class:`SubsetSchedule`'s points (the
-    engine's default schedule when they are the first ``k``)::
+    The returned layers are ``layers`` with every recomputed one wrapped in :class:`Checkpointed` (the
+    whole layer, or the submodule ``chosen.modules`` names); ``ctx`` offloads exactly the plan's
+    offloaded layers, at :class:`SubsetSchedule`'s points (the engine's default schedule when they
+    are the first ``k``)::
 
         ctx, sync, run_layers = apply_plan(chosen, model.layers)
         for layer in run_layers:
@@ -638,5 +803,6 @@ def apply_plan(chosen: Plan, layers: Sequence[nn.Module], device: torch.device |
     # a plan that offloads nothing must not hook every layer in every step, as a probe does
     engine_options.setdefault("count_every_layer", False)
     engine = OffloadEngine(offload_schedule(offloaded, len(layers)), device=resolve_device(device), **engine_options)
-    run = [Checkpointed(layer) if c is RECOMPUTE else layer for layer, c in zip(layers, chosen.choices)]
+    run = [Checkpointed(layer, module) if c is RECOMPUTE else layer
+           for layer, c, module in zip(layers, chosen.choices, chosen.modules)]
     return engine, engine.sync, run

@@ -769,12 +769,13 @@ def _run_planner(setup: PlannerSetup, budget_from: str, budget: int, model: nn.M
     figures = {
         "budget_from": budget_from, "budget_bytes": budget, "plan": chosen.summary(),
         "choices": [c.value for c in chosen.choices], "caps": list(chosen.caps), "parts": list(chosen.parts),
+        "modules": list(chosen.modules),
         "feasible": chosen.feasible,
         "predicted_peak_bytes": chosen.predicted_peak_bytes, "predicted_step_ms": chosen.predicted_step_ms,
         # as a ratio to keeping every layer: the measured overhead's counterpart
         "predicted_overhead": chosen.predicted_step_ms / setup.keep_step_ms - 1,
     }
-    key = (chosen.choices, chosen.caps)
+    key = (chosen.choices, chosen.caps, chosen.modules)
     if key in planned:
         first = planned[key]
         return {**first, **figures, "k": k, "same_run_as": {"budget_from": first["budget_from"], "k": first["k"]}}
@@ -832,7 +833,7 @@ def _pair_plans_with_rivals(runs: list[dict[str, Any]], model: nn.ModuleList, x:
         best, _ = _best_rival(run, runs)
         if best is None:
             continue
-        key = (tuple(run["choices"]), tuple(run["caps"]), best["strategy"], best["k"])
+        key = (tuple(run["choices"]), tuple(run["caps"]), tuple(run.get("modules") or ()), best["strategy"], best["k"])
         if key not in measured:
             bar.show(f"plan of {run['budget_from']} k={run['k']} against {best['strategy']} k={best['k']}, "
                      "pair by pair")
@@ -847,7 +848,7 @@ def _plan_against(run: dict[str, Any], best: dict[str, Any], model: nn.ModuleLis
     engines = []
     try:
         chosen = Plan(tuple(run["choices"]), run["predicted_peak_bytes"], run["predicted_step_ms"],
-                      caps=tuple(run["caps"]))
+                      caps=tuple(run["caps"]), modules=tuple(run.get("modules") or ()))
         plan_forward, engine = make_forward("planner", model, run["k"], device, chosen)
         engines.append(engine)
         best_forward, engine = make_forward(best["strategy"], model, best["k"], device)

@@ -30,6 +30,7 @@ import functools
 import itertools
 import statistics
 import time
+import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -37,12 +38,14 @@ from torch import nn
 
 from offload_examples.core.api import get_cpu_offload_context
 from offload_examples.core.engine import OffloadEngine
+from offload_examples.core.errors import OffloadWarning
 from offload_examples.core.layer_state import LayerStats
-from offload_examples.features.planner import TIME_FIELDS, Checkpointed, LayerCost, LinkCost, offload_schedule
+from offload_examples.features.planner import (TIME_FIELDS, Checkpointed, LayerCost, LinkCost, ModuleCost,
+                                                 offload_schedule)
 from offload_examples.instruments.measure import balanced_orders, training_step
 from offload_examples.instruments.timeline import Span, per_layer_ms, record_layer_timeline
 
-__all__ = ["measure_costs", "measure_link"]
+__all__ = ["measure_costs", "measure_link", "module_candidates"]
 
 
 def _zero(layers: Sequence[nn.Module], x: torch.Tensor) -> None:
@@ -52,7 +55,8 @@ def _zero(layers: Sequence[nn.Module], x: torch.Tensor) -> None:
 
 
 def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 20,
-                  per_choice: bool = True, pool_kinds: bool = True) -> tuple[list[LayerCost], int]:
+                  per_choice: bool = True, pool_kinds: bool = True,
+                  recompute_modules: Sequence[str] | None = None) -> tuple[list[LayerCost], int]:
     """One :class:`~offload_examples.features.planner.LayerCost` per layer, and the base bytes.
 
     The base bytes are what is allocated on the device before the step (weights, the input): the
@@ -79,6 +83,13 @@ def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 20,
     ``storage_modules`` (which submodule saved each storage: what a byte cap takes, in names) come
     from one more untimed step with hooks on every submodule, run eagerly where layers are compiled;
     a layer whose timed steps counted other storages than that step gets ``None``.
+
+    ``recompute_modules`` (with ``per_choice``): the submodules, by name inside a layer, that a plan may
+    recompute alone (``LayerCost.recompute_modules``). ``None`` chooses them from what the modules save
+    (:func:`module_candidates`); ``()`` measures none. Each is timed like a recomputed layer, in one more
+    run taking turns with the others, with the module checkpointed in the kind's sampled layers; what
+    the layer then holds is counted in that run, and a module whose recomputation frees nothing is
+    dropped. A module whose checkpointed step fails is left out with an ``OffloadWarning``.
 
     With ``pool_kinds`` (the default) layers of one kind share their times (``_pooled_by_kind``):
     each is the median over the kind's layers. The last layer, never timed offloaded, then gets its
@@ -116,8 +127,51 @@ def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 20,
                        storage_modules=sites.names(i, ctx.stats) if sites is not None else None)
              for i, (f, b, s, inp) in enumerate(zip(fwd, bwd, ctx.stats, inputs))]
     if per_choice:
-        costs = _per_choice(costs, layers, x, steps)
+        costs = _per_choice(costs, layers, x, steps, recompute_modules)
     return (_pooled_by_kind(costs, layers) if pool_kinds else costs), base
+
+
+def _bytes_under(cost: LayerCost) -> dict[str, int]:
+    """Bytes each submodule's forward saved, its own submodules' included, from ``storage_modules``."""
+    under: dict[str, int] = {}
+    for size, name in zip(cost.storage_bytes or (), cost.storage_modules or ()):
+        parts = name.split(".") if name else []
+        for depth in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:depth])
+            under[prefix] = under.get(prefix, 0) + size
+    return under
+
+
+#: :func:`module_candidates`' bounds: a module saving less of its layer's bytes frees too little to be
+#: worth a run; one saving more is nearly the whole layer (its submodules are looked at instead).
+MODULE_SHARE = (0.1, 0.9)
+#: At most this many submodules a layer kind are candidates (the largest savers).
+MODULE_CANDIDATES = 3
+
+
+def module_candidates(layer: nn.Module, cost: LayerCost) -> list[str]:
+    """The submodules of ``layer`` worth timing recomputed alone, largest saver first.
+
+    Walking down from the layer's children: a module whose forward saved more than
+    ``MODULE_SHARE[1]`` of the layer's bytes is almost the layer, so its children are looked at instead;
+    one that saved at least ``MODULE_SHARE[0]`` is a candidate. Containers without a forward of their
+    own (``ModuleList``) are looked into; scripted modules, whose ``forward`` cannot be wrapped, are not
+    candidates. Needs ``cost.storage_modules``; empty without it.
+    """
+    if cost.storage_modules is None or cost.saved_bytes == 0:
+        return []
+    under, low, high = _bytes_under(cost), MODULE_SHARE[0] * cost.saved_bytes, MODULE_SHARE[1] * cost.saved_bytes
+    found, todo = [], [name for name, _ in layer.named_children()]
+    while todo:
+        name = todo.pop(0)
+        module, saved = layer.get_submodule(name), under.get(name, 0)
+        if isinstance(module, torch.jit.ScriptModule) or saved < low:
+            continue
+        if saved > high or type(module).forward is nn.Module.forward:
+            todo[:0] = [f"{name}.{child}" for child, _ in module.named_children()]
+        else:
+            found.append(name)
+    return sorted(found, key=lambda name: -under[name])[:MODULE_CANDIDATES]
 
 
 class _SavingModules:
@@ -313,7 +367,24 @@ def _samples(costs: Sequence[LayerCost], layers: Sequence[nn.Module]) -> list[tu
              members[:max(1, len(members) // RECOMPUTE_SHARE)]) for members in _kinds(costs, layers)]
 
 
-def _per_choice(costs: list[LayerCost], layers: Sequence[nn.Module], x: torch.Tensor, steps: int) -> list[LayerCost]:
+def _module_names(costs: Sequence[LayerCost], layers: Sequence[nn.Module], members: Sequence[int],
+                  asked: Sequence[str] | None) -> list[str]:
+    """The submodules to time recomputed for a kind (its ``members``): ``asked`` where the kind has them."""
+    first = members[0]
+    if asked is None:
+        return module_candidates(layers[first], costs[first])
+    names = []
+    for name in asked:
+        try:
+            layers[first].get_submodule(name)
+        except AttributeError:
+            continue
+        names.append(name)
+    return names
+
+
+def _per_choice(costs: list[LayerCost], layers: Sequence[nn.Module], x: torch.Tensor, steps: int,
+                recompute_modules: Sequence[str] | None = None) -> list[LayerCost]:
     """``costs`` with each layer's times kept, offloaded and recomputed, from runs without the probe's
     hooks that take turns step by step.
 
@@ -334,18 +405,34 @@ def _per_choice(costs: list[LayerCost], layers: Sequence[nn.Module], x: torch.Te
     """
     n = len(layers)
     samples = _samples(costs, layers)
+    if recompute_modules is not None and not isinstance(recompute_modules, (list, tuple)):
+        raise TypeError(f"recompute_modules must be a list or tuple of submodule names, got {recompute_modules!r}")
     runs: dict[object, tuple[Sequence[nn.Module], tuple[int, ...]]] = {"kept": (layers, ())}
-    for g, (_, offloaded, recomputed) in enumerate(samples):
+    for g, (members, offloaded, recomputed) in enumerate(samples):
         if offloaded:
             runs["offloaded", g] = (layers, tuple(offloaded))
         runs["recomputed", g] = ([Checkpointed(layer) if i in recomputed else layer
                                   for i, layer in enumerate(layers)], ())
-    timed, engines, rounds = {}, [], []
+        for module in _module_names(costs, layers, members, recompute_modules):
+            runs["module", g, module] = ([Checkpointed(layer, module) if i in recomputed else layer
+                                          for i, layer in enumerate(layers)], ())
+    timed, engines, rounds, kept_bytes = {}, [], [], {}
     try:
         for name, (run_layers, offloaded) in runs.items():
             timed[name], engine = _hook_free_step(run_layers, x, offloaded, layers)
             engines.append(engine)
-            timed[name]()  # warm-up: pins the host buffers, which the next steps reuse
+            try:
+                timed[name]()  # warm-up: pins the host buffers, which the next steps reuse
+            except Exception as err:
+                if name[0] != "module":
+                    raise
+                warnings.warn(f"recomputing the submodule {name[2]!r} alone failed, so plans will not: {err!r}",
+                              OffloadWarning)
+                _zero(layers, x)
+                del timed[name]
+                continue
+            if name[0] == "module":  # what each sampled layer holds with the module recomputed (this step counted all)
+                kept_bytes[name] = max(engine.stats[i].candidate_bytes for i in samples[name[1]][2])
         # Each round runs every step once, in the balanced orders taken in turn: a step can inherit
         # work from the one before it (the host's garbage, the allocator's state after an offloading
         # step), and in a fixed order the same run would always inherit it.
@@ -370,11 +457,19 @@ def _per_choice(costs: list[LayerCost], layers: Sequence[nn.Module], x: torch.Te
         off = (added(("offloaded", g), (0,), len(offloaded)), added(("offloaded", g), (1,), len(offloaded))) \
             if offloaded else None
         rec = added(("recomputed", g), (0, 1), len(recomputed))
+        first = costs[members[0]]
+        under = _bytes_under(first)
+
+        def again(module: str) -> int:  # held again during the backward: what the module saves (at most the layer's)
+            return under.get(module, 0) if first.storage_modules is not None else first.saved_bytes
+        modules = tuple(ModuleCost(run[2], kept_bytes[run], again(run[2]), added(run, (0, 1), len(recomputed)))
+                        for run in timed if run[0] == "module" and run[1] == g
+                        and kept_bytes[run] < first.saved_bytes)  # one that frees nothing: never worth it
         for i in members:
             # the last layer, never offloaded, and a kind found only there, get no offloaded times
             timed_off = off is not None and i < n - 1
             out[i] = dataclasses.replace(
-                costs[i], forward_ms=kept_f[i], backward_ms=kept_b[i], recompute_ms=rec,
+                costs[i], forward_ms=kept_f[i], backward_ms=kept_b[i], recompute_ms=rec, recompute_modules=modules,
                 offloaded_forward_ms=kept_f[i] + off[0] if timed_off else None,
                 offloaded_backward_ms=kept_b[i] + off[1] if timed_off else None)
     return out
