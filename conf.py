@@ -118,6 +118,9 @@ stored_sources = {
     # a short run (4 layers) of the benchmark once each row compared its gradients with a plain step's
     "grads19-A": "docs/runs/2026-11-25-h100-session19/bench_grads.json#models[A]",
     "grads19-A-torch": "docs/runs/2026-11-25-h100-session19/bench_grads.json#models[A-torch]",
+    # plans that recompute one submodule of a layer (eba0b93)
+    "plan-bench20": "docs/runs/2026-11-25-h100-session20/bench_planner/bench.json",
+    "gpu-session20": "docs/runs/2026-11-25-h100-session20/README.md",
 }
 
 extensions = [

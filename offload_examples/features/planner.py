@@ -343,36 +343,34 @@ def simulate_plan(choices: Sequence[Choice | str], costs: Sequence[LayerCost], l
     return base_bytes + peak, ms
 
 
+def _per_layer(values: Sequence[Any] | None, choices: tuple[Choice, ...], field: str, entry: str, must_be: str,
+               ok: Any, only: Choice, participle: str) -> tuple[Any, ...]:
+    """``values`` as one entry per layer (all ``None`` when not given): each ``None`` or, on a layer whose
+    choice is ``only``, a value that ``ok`` accepts (``must_be`` says which)."""
+    if values is None or len(values) == 0:
+        return (None,) * len(choices)
+    values = tuple(values)
+    if len(values) != len(choices):
+        raise ValueError(f"need one {entry} (or None) per layer ({len(choices)} layers), got {len(values)}")
+    for i, (value, ch) in enumerate(zip(values, choices)):
+        if value is not None:
+            if not ok(value):
+                raise ValueError(f"{field}[{i}] must be {must_be} or None, got {value!r}")
+            if ch is not only:
+                raise ValueError(f"{field}[{i}] is set but layer {i} is not {participle} ({ch.value})")
+    return values
+
+
 def _checked_modules(modules: Sequence[str | None] | None, choices: tuple[Choice, ...]) -> tuple[str | None, ...]:
     """``modules`` as one entry per layer (all ``None`` when not given); a name only on a recomputed layer."""
-    if modules is None or len(modules) == 0:
-        return (None,) * len(choices)
-    modules = tuple(modules)
-    if len(modules) != len(choices):
-        raise ValueError(f"need one module name (or None) per layer ({len(choices)} layers), got {len(modules)}")
-    for i, (name, ch) in enumerate(zip(modules, choices)):
-        if name is not None:
-            if not isinstance(name, str) or not name:
-                raise ValueError(f"modules[{i}] must be a submodule's name (a non-empty str) or None, got {name!r}")
-            if ch is not RECOMPUTE:
-                raise ValueError(f"modules[{i}] is set but layer {i} is not recomputed ({ch.value})")
-    return modules
+    return _per_layer(modules, choices, "modules", "module name", "a submodule's name (a non-empty str)",
+                      lambda name: isinstance(name, str) and bool(name), RECOMPUTE, "recomputed")
 
 
 def _checked_caps(caps: Sequence[int | None] | None, choices: tuple[Choice, ...]) -> tuple[int | None, ...]:
     """``caps`` as one entry per layer (all ``None`` when not given); a cap only on an offloaded layer."""
-    if caps is None or len(caps) == 0:
-        return (None,) * len(choices)
-    caps = tuple(caps)
-    if len(caps) != len(choices):
-        raise ValueError(f"need one cap (or None) per layer ({len(choices)} layers), got {len(caps)}")
-    for i, (cap, ch) in enumerate(zip(caps, choices)):
-        if cap is not None:
-            if not isinstance(cap, int) or isinstance(cap, bool) or cap < 1:
-                raise ValueError(f"caps[{i}] must be an int >= 1 or None, got {cap!r}")
-            if ch is not OFFLOAD:
-                raise ValueError(f"caps[{i}] is set but layer {i} is not offloaded ({ch.value})")
-    return caps
+    return _per_layer(caps, choices, "caps", "cap", "an int >= 1",
+                      lambda cap: isinstance(cap, int) and not isinstance(cap, bool) and cap >= 1, OFFLOAD, "offloaded")
 
 
 @dataclass(frozen=True)
