@@ -121,6 +121,9 @@ stored_sources = {
     # plans that recompute one submodule of a layer (eba0b93)
     "plan-bench20": "docs/runs/2026-11-25-h100-session20/bench_planner/bench.json",
     "gpu-session20": "docs/runs/2026-11-25-h100-session20/README.md",
+    # model A on TE layers, 20 layers, engine against TE's offload, on an H200
+    "te-bench21": "docs/runs/2026-11-28-h200-session21/bench/bench.json#models[A]",
+    "bench21": "docs/runs/2026-11-28-h200-session21/bench/bench.json",
 }
 
 extensions = [
