@@ -134,7 +134,7 @@ def test_a_layer_reloads_its_last_saved_storage_first(monkeypatch):
     at its last save), so the layer's backward can start before all of it is back."""
     from offload_examples.core import engine as engine_module
 
-    ws = [(torch.randn(width, 16, requires_grad=True), torch.randn(16, 32, requires_grad=True)) for width in (8, 32)]
+    ws = [(nn.Parameter(torch.randn(width, 16)), nn.Parameter(torch.randn(16, 32))) for width in (8, 32)]  # weights stay
 
     def layer(j: int, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(x @ ws[j][0])  # saves x, then tanh's output

@@ -624,9 +624,9 @@ def _grads(layers: torch.nn.ModuleList, x: torch.Tensor, run) -> list[torch.Tens
 
 
 def test_a_checkpoint_around_each_entry_works_in_every_step():
-    """Hugging Face style gradient checkpointing of blocks whose forward enters the context: layers not
-    offloaded keep their hooks while the checkpoint's are active, so its recomputation sees the same
-    tensors in every step (it failed from the second step when they ran without hooks)."""
+    """Gradient checkpointing of blocks whose forward enters the context: the checkpoint keeps the
+    region, the entry counts but hooks nothing (with one warning that says where the context belongs),
+    and the recomputation in backward passes through, in every step."""
     from torch.utils.checkpoint import checkpoint
 
     layers, x = _linear_layers(), torch.randn(4, 16, 64)
@@ -649,9 +649,44 @@ def test_a_checkpoint_around_each_entry_works_in_every_step():
         return h
 
     reference = _grads(layers, x, plain)
+    with pytest.warns(OffloadWarning, match="inside a torch.utils.checkpoint region"):
+        grads = _grads(layers, x, offloaded)
+    for _ in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(reference, grads))
+        assert ctx.live_views == 0 and ctx.offloaded_bytes == 0 and ctx.stats[0].saved_tensors == 0
+        grads = _grads(layers, x, offloaded)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_the_context_around_a_checkpoint_offloads_what_the_checkpoint_keeps(reentrant):
+    """The context outside the checkpoint: the checkpoint's inputs are offloaded, its internals
+    recomputed, bitwise, in every step; the recomputation in backward does not count as an entry."""
+    from torch.utils.checkpoint import checkpoint
+
+    layers, x = _linear_layers(), torch.randn(4, 16, 64)
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=2, model_layers=4, device="cpu")
+
+    def offloaded(h):
+        h = h * 1.0  # the first layer's input comes from autograd, like the others'
+        for layer in layers:
+            with ctx:
+                h = checkpoint(layer, h, use_reentrant=reentrant)
+            h = sync(h)
+        return h
+
+    def plain(h):
+        h = h * 1.0
+        for layer in layers:
+            h = layer(h)
+        return h
+
+    x.requires_grad_(reentrant)  # reentrant checkpointing needs an input that requires grad
+    reference = _grads(layers, x, plain)
     for _ in range(3):
         assert all(torch.equal(a, b) for a, b in zip(reference, _grads(layers, x, offloaded)))
-        assert ctx.live_views == 0
+        # only each offloaded layer's input (what the checkpoint keeps) went to the host
+        assert [s.offloaded_bytes for s in ctx.stats] == [x.numel() * 4] * 2 + [0, 0]
+        assert ctx.live_views == 0 and ctx.events.count(("forward", 0)) == 1
 
 
 def test_counts_of_layers_without_hooks_follow_a_change_of_shape():

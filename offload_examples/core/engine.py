@@ -15,9 +15,7 @@
    that stream has waited for the home stream (the tensors have only just been written). The
    layer's copies are queued in one batch, and one event marks the end of them all: on a
    launch-bound step, a stream switch, a wait and an event per tensor cost more host time than the
-   copies themselves. The copies then run under the next layers' compute. Waiting for the end of
-   the forward also lets the policy tell tensors autograd did not make (intermediates of a custom
-   ``autograd.Function``) from caller data, which something else still holds: those stay.
+   copies themselves. The copies then run under the next layers' compute.
 3. **Released.** When the schedule says so (by default at the forward of layer ``N - k + i`` for
    layer ``i``), the home stream waits for the copy's event, on the device, and the engine drops
    its reference to the GPU memory, so the caching allocator can hand it to the next layer.
@@ -26,7 +24,7 @@
    is allocated *on the home stream*, so it returns to the pool of the stream that reads it, and
    filled on the host-to-device stream; each record gets its own event, and the storage saved last
    is copied first (backward reads it first). If something else kept
-   the original memory alive since the release (a framework's cache, a later layer's saved
+   the original memory alive since the release (the caller's batch, a later layer's saved
    tensor), the record only takes it back: backward reads it in place, as without offloading,
    and no duplicate is made. (The release counted those bytes as held: they freed nothing.)
 5. **Used.** When autograd unpacks a :class:`_SavedView`, the current stream waits for *that
@@ -36,6 +34,9 @@
    backward, or when a graph is dropped without one), the GPU memory is dropped after the home
    stream has waited for the copies, and the host buffer goes back to the pool, tagged with the
    event of the last copy that touched it so that its next user can wait for it.
+
+Which entries of ``with ctx:`` are layers of the step, when a new step begins, and when a layer's
+backward starts are told in :mod:`~offload_examples.core.entries`.
 
 Every copy goes through :meth:`Streams.copy <offload_examples.core.streams.Streams.copy>`, which
 keeps the stream rules in one place. Records hold no reference to the engine and hold the saved
@@ -54,24 +55,23 @@ together, or :class:`GraphCaptureError` is raised during the capture, never at r
 
 from __future__ import annotations
 
-import functools
 import operator
 import threading
 import warnings
 import weakref
 from collections.abc import Mapping
-from types import TracebackType
 
 import torch
 
+from .entries import EngineEntries
 from .errors import (GraphCaptureError, OffloadWarning, aborted_step_error, capture_mismatch_error, in_place_error,
-                     nested_error, no_buffer_error, reload_never_started_error, timing_in_capture_error)
+                     no_buffer_error, reload_never_started_error)
 from .iteration import EngineIterations
 from .layer_state import ALLOWED_FROM, LayerState, LayerStats
 from .host_pool import HostBuffer, HostBufferPool, NoFreeBufferError
 from .readouts import EngineReadouts, LayerCounts
 from .settings import EngineSettings, checked_settings
-from .policy import (NOT_FROM_AUTOGRAD, OUTSIDE_SELECTION, KeptTensor as _Kept, ModuleSelection, StorageWeakRef,
+from .policy import (OUTSIDE_SELECTION, KeptTensor as _Kept, ModuleSelection, StorageWeakRef,
                      held_elsewhere, keep_reason, mark_not_offload, version_witness)
 from .schedule import DefaultSchedule, ManualSchedule, SyncDictSchedule
 from .streams import Streams, resolve_device
@@ -82,9 +82,6 @@ __all__ = [
     "GraphCaptureError", "LayerState", "LayerStats", "OffloadEngine", "OffloadWarning", "mark_not_offload",
 ]
 
-_active = threading.local()  # the engine whose context is open in this thread, if any
-
-
 class _StorageRecord:
     """One offloaded storage: its GPU bytes, its host copy, and the events that order them.
 
@@ -94,10 +91,10 @@ class _StorageRecord:
 
     __slots__ = ("streams", "pool", "layer", "iteration", "nbytes", "home", "device", "original", "version",
                  "original_ref", "witness", "weak", "address", "host", "offloaded", "reloaded", "views", "aborted", "captured",
-                 "not_from_autograd", "tried", "last_saved")
+                 "tried", "last_saved", "slice_of_data")
 
     def __init__(self, engine: OffloadEngine, layer: int, t: torch.Tensor, storage: torch.UntypedStorage,
-                 not_from_autograd: bool, home: torch.cuda.Stream | None, captured: bool):
+                 home: torch.cuda.Stream | None, captured: bool):
         self.streams, self.pool = engine.streams, engine.pool
         self.layer, self.iteration = layer, engine.iteration
         self.nbytes = storage.nbytes()
@@ -121,9 +118,10 @@ class _StorageRecord:
         self.aborted = False
         #: Made while a CUDA graph was being captured: it lives only inside that graph.
         self.captured = captured
-        #: Made by an op autograd does not see into: copied only if nothing else holds the storage.
-        self.not_from_autograd = not_from_autograd
         self.tried = False  # a copy out was attempted (at most once)
+        #: A slice of data autograd did not make (a micro-batch of the caller's batch): if someone else
+        #: still holds the storage when the layer ends, copying it would move the whole buffer for nothing.
+        self.slice_of_data = t.grad_fn is None and t.numel() * t.element_size() < self.nbytes
         #: When a tensor of this storage was last saved (the engine's count of saves): the reload order.
         self.last_saved = engine._saves
 
@@ -172,6 +170,16 @@ class _StorageRecord:
         """Refuse to mix a capture's records with work outside that capture (and vice versa)."""
         if self.captured != capturing:
             raise capture_mismatch_error(self.layer, self.captured, what)
+
+    def shares_counter(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` surely shares the version counter of the tensor that made the record: the same
+        tensor, or a view of the same base (an alias through ``.data`` has a counter of its own)."""
+        base = t._base
+        for ref in self.original_ref:
+            x = ref()
+            if x is not None and (x is t or x is base):
+                return True
+        return False
 
     def check_version(self) -> None:
         version = self.version
@@ -235,14 +243,29 @@ class _StorageRecord:
 
 
 class _SavedView:
-    """What autograd keeps instead of an offloaded tensor: how to rebuild it from its record."""
+    """What autograd keeps instead of an offloaded tensor: how to rebuild it from its record.
 
-    __slots__ = ("record", "engine_ref", "dtype", "size", "stride", "offset")
+    ``witness`` is ``None`` when the tensor shares its record's version counter (the first tensor
+    saved of the storage, views of it, the same tensor saved again): the record checks it. A tensor
+    on its own counter (an alias made through ``.data``) brings a witness of its own, so that an
+    in-place change is caught exactly where autograd would catch it: through that tensor's counter.
+    """
 
-    def __init__(self, record: _StorageRecord, t: torch.Tensor, engine_ref: weakref.ref[OffloadEngine]):
+    __slots__ = ("record", "engine_ref", "dtype", "size", "stride", "offset", "witness", "version")
+
+    def __init__(self, record: _StorageRecord, t: torch.Tensor, engine_ref: weakref.ref[OffloadEngine],
+                 own_counter: bool = False):
         self.record, self.engine_ref = record, engine_ref
         self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
+        self.version = t._version
+        self.witness = version_witness(t.detach()) if own_counter else None
         record.views += 1
+
+    def check_version(self) -> None:
+        if self.witness is None:
+            self.record.check_version()
+        elif self.witness._version != self.version:
+            raise in_place_error(self.record.layer)
 
     def __del__(self) -> None:
         try:
@@ -260,7 +283,7 @@ class _SavedView:
                 pass
 
 
-class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
+class OffloadEngine(EngineEntries, EngineIterations, EngineReadouts, EngineSettings):
     """Context manager that offloads saved activations of selected layers.
 
     Enter it once per layer and pass each layer's output through :meth:`sync`; see
@@ -330,121 +353,18 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
         self._lock = threading.RLock()  # views die and backward hooks run on autograd's threads
         self._warned: set[str] = set()
         self.iteration = -1
-        self._in_layer = False
-        self._offloading = False  # the schedule offloads the layer being entered (read by _pack)
+        self._init_entries()
         # A flat byte tensor on the device without memory: records view storages through copies of it
         self._no_bytes = torch.empty(0, dtype=torch.uint8, device=device)
-        # Entries made under no_grad save nothing and count for nothing: how many are open, per thread
-        # (inference threads may share the engine; a real entry inside one of them is nesting)
-        self._passthrough = threading.local()
-        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
-        self._te_switched = False  # this entry turned Transformer Engine's offload path on (te_path)
         #: Which layers are hooked; an engine that offloads nothing is a probe and counts every layer.
         probe = not any(map(schedule.is_offloaded, range(self.model_layers)))
         self.counts = LayerCounts(every_iteration=probe if count_every_layer is None else count_every_layer)
         self._new_iteration()
 
-    def _passthrough_depth(self) -> int:
-        return getattr(self._passthrough, "depth", 0)
-
     # ------------------------------------------------------------------ controls (more: EngineSettings)
     def capturing(self) -> bool:
         """Whether the current CUDA stream is being captured into a graph (never on the CPU)."""
         return self.streams.is_cuda and torch.cuda.is_current_stream_capturing()
-
-    # ------------------------------------------------------------------ context manager
-    def __enter__(self) -> OffloadEngine:
-        if self._in_layer:
-            raise RuntimeError("the offload context is already active: it cannot be nested")
-        if not torch.is_grad_enabled():  # nothing is saved for backward: not an entry of the step
-            self._passthrough.depth = self._passthrough_depth() + 1
-            self._passthrough.last = True  # its output's sync hooks nothing (see sync)
-            return self
-        if self._passthrough_depth():
-            raise RuntimeError("the offload context is already active (entered under no_grad): it cannot be nested")
-        if getattr(_active, "engine", None) is not None:
-            raise nested_error()
-        if self.recorder is not None and self.capturing():
-            raise timing_in_capture_error()
-        with self._lock:
-            try:
-                if self._iteration_over():
-                    self._new_iteration()
-                j = self._entered
-                self._move(j, LayerState.RUNNING, f"the forward of entry {j} started")
-                ready = self._mark()
-                waited = self._run_actions("forward", j)
-                self.events.append(("forward", j))
-                self._note_phase("forward", j, ready if waited else None)
-            except BaseException:
-                self._abort()  # no half-updated layer state survives a failed entry
-                raise
-        self._layer = j
-        self._in_layer = True
-        self._passthrough.last = False
-        _active.engine = self
-        self._offloading = self.schedule.is_offloaded(j)
-        if self.counts.hooked(j, self._offloading, self.stats):
-            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-            self._hooks.__enter__()
-        # last, so that a failed entry leaves it off: TE's layers take the path they take under TE's offload
-        te_path.switch_on()
-        self._te_switched = True
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if self._passthrough_depth():
-            self._passthrough.depth -= 1
-            return
-        if self._te_switched:  # once per entry, even if a stray second __exit__ comes
-            self._te_switched = False
-            te_path.switch_off()
-        if self._hooks is not None:
-            self._hooks.__exit__(exc_type, exc, tb)
-            self._hooks = None
-        self._in_layer = False
-        _active.engine = None
-        if exc_type is not None:
-            self._abort()
-            return
-        with self._lock:
-            j = self._layer
-            try:
-                offloading = self.schedule.is_offloaded(j) and self.schedule.offload_at_exit
-                self._move(j, LayerState.OFFLOADING if offloading else LayerState.SAVED, "its forward ended")
-                if offloading:
-                    self._start_offload(j)
-            except BaseException:
-                self._abort()
-                raise
-            self.resident_trace.append(("forward", j, self.resident_bytes))
-            self._entered += 1
-
-    def sync(self, x: torch.Tensor) -> torch.Tensor:
-        """Mark ``x`` as the output of the layer that just ran; returns ``x``.
-
-        The gradient of ``x`` arrives exactly when that layer's backward starts, so a hook on it
-        is where the schedule starts reloads.
-        """
-        if self._in_layer:
-            raise RuntimeError("sync must be called after leaving the offload context, not inside it")
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"sync expects the layer's output tensor, got {type(x).__name__}")
-        if not x.requires_grad:  # no backward will come (a no_grad pass): nothing to hook
-            return x
-        if x.grad_fn is None and getattr(self._passthrough, "last", False):
-            # The layer ran under no_grad and handed back a leaf that requires grad (its input, through
-            # an Identity or an eval-mode Dropout): no layer of the step made it, so there is nothing to
-            # mark, and a hook would stay on that leaf, which the caller keeps, for good. (An output
-            # with a grad_fn was made with grad enabled: a real layer's, whatever entries came since.)
-            return x
-        if self._entered == 0:
-            raise RuntimeError("sync was called before any layer ran inside the offload context")
-        self.counts.output(self._entered - 1, x)
-        x.register_hook(functools.partial(_grad_hook, self._ref, self.iteration, self._entered - 1))
-        return x
 
     # ------------------------------------------------------------------ the three actions
     def _start_offload(self, layer: int) -> None:
@@ -457,7 +377,7 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
             if resized:  # the copy would read bytes the storage no longer has: autograd reads what it holds now
                 self._warn_once("resized", f"a storage saved in layer {layer} was resized before the layer's forward "
                                            "ended (resize_): it stays on the device")
-            if resized or (rec.not_from_autograd and held_elsewhere(rec.device, ours=2)):  # caller data: frees nothing
+            if resized or (rec.slice_of_data and held_elsewhere(rec.device, ours=2)):
                 rec.tried = True
                 stats.candidate_bytes -= rec.nbytes
                 continue
@@ -566,23 +486,6 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
                 self._reload_layer(i, why)
         return waited
 
-    def _backward_started(self, iteration: int, layer: int) -> None:
-        with self._lock:
-            if iteration != self.iteration or layer in self._backwards:
-                return  # a graph kept from an older iteration (its views reload on demand), or a second backward
-            if self.schedule.expects_reload(layer) and self.layer_state[layer] != LayerState.RELOADING:
-                raise RuntimeError(f"{self.schedule.describe(layer)}: the backward of layer {layer} started, "
-                                   f"but the layer {self.layer_state[layer].value}")
-            if not self._backward_seen:
-                self._check_iteration_shape()
-            self._backward_seen = True
-            self._backwards.add(layer)
-            self.events.append(("backward", layer))
-            ready = self._mark()
-            waited = self._run_actions("backward", layer)
-            self.resident_trace.append(("backward", layer, self.resident_bytes))
-            self._note_phase("backward", layer, ready if waited else None)
-
     # ------------------------------------------------------------------ autograd hooks
     def _pack(self, t: torch.Tensor) -> _Kept | _SavedView:
         """Autograd's pack hook (step 1): a :class:`~offload_examples.core.policy.KeptTensor` for a tensor the policy keeps (or while
@@ -593,14 +496,13 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
         stats = self.stats[layer]
         stats.saved_tensors += 1
         reason = keep_reason(t, self.device, self.min_offload_bytes)
-        not_from_autograd = reason is NOT_FROM_AUTOGRAD
-        if reason is None or not_from_autograd:
+        if reason is None:
             if (self.selection is not None or self.max_offload_bytes_per_layer is not None) \
                     and not self._chosen(t, layer):
-                reason, not_from_autograd = OUTSIDE_SELECTION, False
+                reason = OUTSIDE_SELECTION
         elif type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_nested:
             self._warn_once("subclass", f"{reason} is not offloaded")
-        if reason is not None and not not_from_autograd:
+        if reason is not None:
             stats.kept_tensors += 1
             return _Kept(t, layer)
         if not self._offloading:
@@ -612,22 +514,22 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
             stats.kept_tensors += 1
             return _Kept(t, layer)
         with self._lock:
-            rec = self._record_for(t, layer, not_from_autograd)
+            rec = self._record_for(t, layer)
             self.live_views += 1
-            return _SavedView(rec, t, self._ref)
+            return _SavedView(rec, t, self._ref, own_counter=not rec.shares_counter(t))
 
-    def _record_for(self, t: torch.Tensor, layer: int, not_from_autograd: bool) -> _StorageRecord:
+    def _record_for(self, t: torch.Tensor, layer: int) -> _StorageRecord:
         """The record of ``t``'s storage: found, or made (its copy waits for the end of the layer)."""
         storage = t.untyped_storage()
         address = storage.data_ptr()
         known = self._by_storage[layer].get(address)
         self._saves += 1
         if known is not None and known.device is not None and known.nbytes == storage.nbytes():
-            if known.version != t._version:
+            if known.shares_counter(t) and known.version != t._version:
                 raise in_place_error(layer)
             known.last_saved = self._saves
             return known
-        rec = _StorageRecord(self, layer, t, storage, not_from_autograd, self.streams.current(), self.capturing())
+        rec = _StorageRecord(self, layer, t, storage, self.streams.current(), self.capturing())
         stats = self.stats[layer]
         stats.candidate_bytes += rec.nbytes
         stats.candidate_sizes.append(rec.nbytes)
@@ -645,7 +547,7 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
         if rec.aborted:
             raise aborted_step_error()
         rec.check_capture("used by backward", self.capturing())
-        rec.check_version()
+        view.check_version()
         if rec.device is None:
             self._reload_on_demand(rec)
         Streams.use(rec.device, rec.reloaded, self.streams.current())  # only this tensor's copy
@@ -655,8 +557,11 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
     def _reload_on_demand(self, rec: _StorageRecord) -> None:
         if self.schedule.expects_reload(rec.layer) and rec.iteration == self.iteration:
             raise reload_never_started_error(self.schedule.describe(rec.layer), rec.layer)
-        self._warn_once("on_demand", f"layer {rec.layer}'s saved tensors were reloaded on demand (no overlap): "
-                                     f"{self.schedule.reload_hint}")
+        hint = self.schedule.reload_hint
+        if not self.schedule.interleaved and self._entered != self.model_layers:
+            hint = (f"this step entered the context {self._entered} times, not model_layers={self.model_layers}, "
+                    "so the layers whose backward starts the reloads did not run")
+        self._warn_once("on_demand", f"layer {rec.layer}'s saved tensors were reloaded on demand (no overlap): {hint}")
         with self._lock:
             self._reload([rec])
 
@@ -669,10 +574,3 @@ class OffloadEngine(EngineIterations, EngineReadouts, EngineSettings):
                 if rec.device is not None and rec.host is not None and rec.iteration == self.iteration:
                     self.resident_bytes -= rec.nbytes
                 rec.free(self.capturing())
-
-
-
-def _grad_hook(engine_ref: weakref.ref, iteration: int, layer: int, grad: torch.Tensor) -> None:
-    engine = engine_ref()
-    if engine is not None:
-        engine._backward_started(iteration, layer)

@@ -45,15 +45,6 @@ def capture_mismatch_error(layer: int, captured: bool, what: str) -> GraphCaptur
     )
 
 
-def too_many_entries_error(n: int, missing_backwards: list[int]) -> RuntimeError:
-    return RuntimeError(
-        f"the offload context was entered more than model_layers={n} times before the backwards of "
-        f"entries {missing_backwards} ran. Set model_layers to the number of entries per iteration (layers x "
-        "micro-batches), keep forwards that are not part of the step (shape inference, evaluation) outside "
-        "the context, and if the last step failed, call reset()."
-    )
-
-
 def no_buffer_error(layer: int, captured: bool, err: Exception) -> GraphCaptureError:
     if captured:
         why = ("the engine does not pin host memory during a CUDA graph capture (it fails on many PyTorch "
@@ -70,6 +61,14 @@ def nested_error() -> RuntimeError:
         "another offload context is already active in this thread: contexts cannot be nested "
         "(the inner one would take every tensor the outer one should see). Give each layer "
         "one context; two models may each have their own, entered one after the other."
+    )
+
+
+def hooks_refused_error(err: Exception) -> RuntimeError:
+    return RuntimeError(
+        f"saved-tensor hooks are refused here ({err}): a torch.func transform or "
+        "torch.autograd.graph.disable_saved_tensors_hooks is active, and offloading works through those "
+        "hooks. Run this layer outside the offload context; the next entry starts a new step."
     )
 
 

@@ -106,6 +106,8 @@ class HostBufferPool:
             free = self._free.get(nbytes)
             if free:
                 buf = free.pop()
+                if not free:  # sizes come and go (dynamic shapes): keep no empty list behind
+                    del self._free[nbytes]
             elif for_graph or self.frozen:
                 raise NoFreeBufferError(
                     f"no free host buffer of {nbytes} bytes ({sum(map(len, self._free.values()))} free buffers "
@@ -155,7 +157,10 @@ class HostBufferPool:
             for nbytes, bufs in list(self._free.items()):
                 keep = [b for b in bufs if keep_free or (self.retain and b.used_in_iteration == self._iteration)]
                 self.held_bytes -= nbytes * (len(bufs) - len(keep))
-                self._free[nbytes] = keep
+                if keep:
+                    self._free[nbytes] = keep
+                else:
+                    del self._free[nbytes]
             self._iteration += 1
 
     @property

@@ -9,13 +9,7 @@ into the next one.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from .errors import too_many_entries_error
 from .layer_state import ALLOWED_FROM, LayerState
-
-if TYPE_CHECKING:
-    from .engine import _StorageRecord
 
 __all__ = ["EngineIterations"]
 
@@ -26,14 +20,16 @@ class EngineIterations:
     def reset(self) -> None:
         """Abandon the current iteration: give back its GPU copies and host buffers at once.
 
-        Call it when a step failed outside the context (between layers, in the loss, in the
-        optimizer) and the next step should start afresh. A backward of the abandoned step
-        raises a clear error instead of computing with freed memory.
+        The engine notices a failed step by itself: a failure inside the context abandons the step
+        at once, and one between layers (or in the loss) drops the step's graph, which the hooks
+        ``sync`` placed see. Call it to start afresh when neither applies (a step that failed while
+        its graph is still held, layers whose outputs skip ``sync``). A backward of the abandoned
+        step raises a clear error instead of computing with freed memory.
         """
-        if self._in_layer:
+        if self._inside is not None:
             raise RuntimeError("reset() was called inside the offload context; call it between steps")
-        self._passthrough.depth = 0  # an entry made under no_grad in this thread and never left
-        self._passthrough.last = False
+        local = self._thread()
+        local.depth, local.last = 0, False  # an entry made under no_grad in this thread and never left
         self._abort()
 
     def _new_iteration(self) -> None:
@@ -48,10 +44,10 @@ class EngineIterations:
                 self.pool.end_iteration(keep_free=capturing or self.pool.frozen)
             self.iteration += 1
             n = self.model_layers
-            self._records: list[list[_StorageRecord]] = [[] for _ in range(n)]
-            self._by_storage: list[dict[int, _StorageRecord]] = [{} for _ in range(n)]
+            self._records: list[list] = [[] for _ in range(n)]  # per layer, its storages' records (engine.py)
+            self._by_storage: list[dict] = [{} for _ in range(n)]  # per layer, data pointer -> record
             self._seen: list[set[int]] = [set() for _ in range(n)]
-            self._by_impl: dict[int, list[_StorageRecord]] = {}  # StorageImpl (kept by the weak refs) -> records
+            self._by_impl: dict[int, list] = {}  # StorageImpl (kept by the weak refs) -> records
             self._saves = 0  # tensors handed to records so far: their order sets the order of reloads
             self.layer_state = [LayerState.NOT_RUN] * n
             self.stats = self.counts.new_iteration(getattr(self, "stats", []), getattr(self, "_entered", 0),
@@ -62,6 +58,8 @@ class EngineIterations:
             self._entered = 0
             self._backward_seen = False
             self._backwards: set[int] = set()
+            self._remove_leaf_hooks()  # sync's hooks on leaves the caller keeps (see entries.py)
+            self._triggers, self._graph_dropped = [], False
 
     def _abort(self) -> None:
         """A step failed: give back every buffer and start afresh."""
@@ -76,24 +74,23 @@ class EngineIterations:
             self._new_iteration()
 
     def _iteration_over(self) -> bool:
-        """Whether the next entry of the context starts a new iteration."""
+        """Whether the next entry of the context starts a new iteration.
+
+        After ``model_layers`` entries, always (an iteration has that many). Before: in the default
+        schedule once its backward began (all forwards come first); in any schedule once the step
+        was abandoned, its graph dropped before the backwards (a failure between two layers).
+        """
         n = self.model_layers
-        if not self.schedule.interleaved:  # N forwards, then the backward: any backward ends the forwards
-            return self._backward_seen or self._entered == n
-        if self._entered < n:
-            return False
-        if len(self._backwards) == n:
+        if self._entered >= n:
             return True
-        # Everything offloaded this iteration was dropped: the step ended without its backward, or
-        # its backward failed. (An iteration that offloaded nothing cannot tell that from a stray
-        # extra forward, which would shift every entry: it raises below.)
-        if self.live_views == 0 and (not self._backward_seen or any(self._records)):
+        if not self.schedule.interleaved and self._backward_seen:
             return True
-        raise too_many_entries_error(n, sorted(set(range(n)) - self._backwards))
+        return self._entered > 0 and self._step_abandoned()
 
     def _move(self, layer: int, to: LayerState, why: str) -> None:
         """The one place a layer changes state; an illegal move raises with the schedule's words."""
         state = self.layer_state[layer]
         if state not in ALLOWED_FROM[to]:
-            raise RuntimeError(f"{self.schedule.describe(layer)}: {why}, but layer {layer} {state.value}")
+            raise RuntimeError(f"{self.schedule.describe(layer)}: {why}, but layer {layer} {state.value} "
+                               "(if a step failed part-way and its graph is still held, reset() starts afresh)")
         self.layer_state[layer] = to

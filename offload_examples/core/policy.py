@@ -1,23 +1,28 @@
-"""Which saved tensors the engine offloads: all of them, except where a copy would free nothing.
+"""Which saved tensors the engine offloads: every activation, never the model's weights.
 
 A tensor saved for backward is worth copying to the host only if dropping the engine's reference
-gives its GPU memory back. That is not so for
+can give its GPU memory back. That is never so for
 
-- parameters, leaves that require grad, their views, autocast's casts of them, and what an op
-  returns on their own memory (the model or autocast's cache holds them anyway);
-- tensors marked with :func:`mark_not_offload`, on another device, or too small to pay for a copy;
+- parameters, their views, autocast's casts of them, and what an op returns on their own memory
+  (the model or autocast's cache holds them anyway);
+- leaves that require grad and are no parameter (a layer's input made with ``requires_grad=True``,
+  a weight passed as a plain tensor): the graph's ``AccumulateGrad`` node holds each of them for
+  as long as the graph lives, so a copy would free nothing. Their casts and copies are activations;
+- tensors marked with :func:`mark_not_offload` (or with Transformer Engine's own
+  ``mark_not_offload``, which its modules use for the caches they keep), on another device, or
+  too small to pay for a copy;
 - tensor subclasses, nested, sparse, quantized, conjugated or negated views (kept, with a warning
-  for subclasses and nested tensors);
-- data that something outside the saved-tensor graph still holds: a micro-batch cut from a batch
-  the caller keeps, a buffer a module caches.
+  for subclasses and nested tensors).
 
-The last kind cannot be recognised from autograd's metadata alone: inside a custom
-``autograd.Function.forward`` (Transformer Engine's modules, fused kernels) *every* intermediate
-looks like caller data (no ``grad_fn``, no ``requires_grad``). So such tensors are
-:data:`NOT_FROM_AUTOGRAD`: when the layer's forward ends and the engine queues its copies, it
-asks the storage itself how many references it has (:func:`held_elsewhere`). An
-intermediate of a finished ``forward`` is referenced only by what autograd saved; caller data
-has one more holder, and stays.
+Everything else is offloaded: activations, the intermediates of a custom ``autograd.Function``
+(Transformer Engine's modules, fused kernels, which carry no ``grad_fn``), and data the caller
+passed in (a layer's input that needs no grad). Some of it may still be held by someone else when
+the engine releases it (an input the caller keeps): then dropping it frees nothing, the engine counts
+those bytes as held (:attr:`~offload_examples.LayerStats.held_bytes`), and backward reads the
+original in place, without a reload. Had the caller let go of it by then, its memory is freed, as
+Transformer Engine's offload frees it. One exception: a *slice* of such data that someone else
+still holds when the layer ends (a micro-batch of a batch the caller keeps) stays, because the
+engine copies whole storages and would move the whole buffer for nothing.
 """
 
 from __future__ import annotations
@@ -29,12 +34,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .errors import in_place_error
 
-__all__ = ["NOT_FROM_AUTOGRAD", "OUTSIDE_SELECTION", "KeptTensor", "ModuleSelection", "StorageWeakRef", "held_elsewhere",
-           "is_weight_like", "keep_reason", "mark_not_offload", "version_witness"]
+__all__ = ["OUTSIDE_SELECTION", "KeptTensor", "ModuleSelection", "StorageWeakRef", "held_elsewhere",
+           "is_weight_like", "keep_reason", "mark_not_offload", "outer_hooks", "version_witness"]
 
 _KEEP_ATTR = "_offload_examples_keep"
-#: :func:`keep_reason`'s answer for tensors decided at the end of the layer (see the module docstring).
-NOT_FROM_AUTOGRAD = "not made by autograd: decided at the end of the layer"
+_TE_KEEP_ATTR = "_TE_do_not_offload"  # Transformer Engine's mark_not_offload (TE 2.x)
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
@@ -59,8 +63,13 @@ def _plain(x: torch.Tensor) -> bool:
     return (type(x) is torch.Tensor or type(x) is _Parameter) and not x.is_nested
 
 
+def _is_parameter(t: torch.Tensor) -> bool:
+    # The isinstance, a metaclass hook, is the slow part: a plain tensor is no Parameter.
+    return type(t) is not torch.Tensor and isinstance(t, _Parameter)
+
+
 def is_weight_like(t: torch.Tensor) -> bool:
-    """Parameters, leaves that require grad, their views, and autocast's casts of them."""
+    """Parameters, their views, and autocast's casts of them (what the model holds anyway)."""
     base = t._base
     if base is not None:
         if not _plain(base):  # a view of a nested tensor or a subclass: no weight of ours
@@ -69,25 +78,23 @@ def is_weight_like(t: torch.Tensor) -> bool:
         # views made inside a custom Function's forward carry requires_grad without a grad_fn,
         # yet their base is an activation.
         return is_weight_like(base)
-    # A Parameter, even one written in place (a frozen cache filled from an activation has a grad_fn).
-    # The isinstance, a metaclass hook, is the slow part: a plain tensor is no Parameter.
-    if type(t) is not torch.Tensor and isinstance(t, _Parameter):
+    if _is_parameter(t):  # even one written in place (a frozen cache filled from an activation has a grad_fn)
         return True
     fn = t.grad_fn
-    if fn is None:  # a leaf: a weight if it requires grad
-        return t.requires_grad
+    if fn is None:  # a leaf that is no Parameter: a layer's input, an activation like any other
+        return False
     # One walk over the op's inputs (this runs for every tensor autograd saves). An op that hands
     # back its weights' own memory as a new tensor: Transformer Engine's fused QKV weight, a "no-op
     # cat" of three parameters that sit side by side in one buffer. The parameters keep that memory;
     # a copy would free nothing, and its reload would duplicate the weight. And autocast saves
-    # `weight.to(bf16)`: one input, a leaf, same shape, another dtype.
+    # `weight.to(bf16)`: one input, a parameter, same shape, another dtype.
     inputs, leaf, storage = 0, None, None
     for f, _ in fn.next_functions:
         if f is None:
             continue
         inputs += 1
-        if type(f) is not _AccumulateGrad or not _plain(v := f.variable):  # a nested or subclass leaf
-            continue  # has no storage to compare
+        if type(f) is not _AccumulateGrad or not _plain(v := f.variable) or not _is_parameter(v):
+            continue  # a leaf that is no weight, or a nested or subclass leaf, which has no storage to compare
         if storage is None:
             storage = t.untyped_storage().data_ptr()
         if v.untyped_storage().data_ptr() == storage:
@@ -97,7 +104,7 @@ def is_weight_like(t: torch.Tensor) -> bool:
 
 
 def keep_reason(t: torch.Tensor, device: torch.device, min_bytes: int) -> str | None:
-    """Why ``t`` stays on the device, :data:`NOT_FROM_AUTOGRAD`, or ``None`` to offload it.
+    """Why ``t`` stays on the device, or ``None`` to offload it.
 
     It runs for every tensor an offloaded layer saves, on the host's critical path: the common
     cases (a parameter, an activation) are decided with as few calls into torch as the rules allow.
@@ -105,7 +112,7 @@ def keep_reason(t: torch.Tensor, device: torch.device, min_bytes: int) -> str | 
     if t.device != device:
         return "on another device"
     base = t._base
-    if getattr(t, _KEEP_ATTR, False) or (base is not None and getattr(base, _KEEP_ATTR, False)):
+    if _marked(t) or (base is not None and _marked(base)):
         return "marked with mark_not_offload"
     cls = type(t)
     if cls is not torch.Tensor and cls is not _Parameter and not isinstance(t, _Parameter):
@@ -117,17 +124,18 @@ def keep_reason(t: torch.Tensor, device: torch.device, min_bytes: int) -> str | 
     if t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():  # first: a sparse
         return "not a plain strided tensor"  # tensor has no storage for is_weight_like to compare
     if is_weight_like(t):
-        return "a parameter, a leaf that requires grad, or a view or cast of one"
+        return "a parameter, or a view or cast of one"
+    memory = t if base is None else base  # a view is what made its memory
+    if memory.grad_fn is None and memory.requires_grad:
+        return "a leaf that requires grad (its graph holds it: a copy would free nothing)"
     nbytes = t.untyped_storage().nbytes()
     if nbytes == 0 or nbytes < min_bytes:
         return "smaller than min_offload_bytes"
-    if _from_autograd(t) or (base is not None and _from_autograd(base)):
-        return None
-    return NOT_FROM_AUTOGRAD
+    return None
 
 
-def _from_autograd(x: torch.Tensor) -> bool:
-    return x.grad_fn is not None or x.requires_grad
+def _marked(t: torch.Tensor) -> bool:
+    return getattr(t, _KEEP_ATTR, False) or getattr(t, _TE_KEEP_ATTR, False)
 
 
 def held_elsewhere(storage_view: torch.Tensor, ours: int) -> bool:
@@ -140,6 +148,20 @@ def held_elsewhere(storage_view: torch.Tensor, ours: int) -> bool:
         return False
     storage = storage_view.untyped_storage()  # this Python object holds one reference too
     return _use_count(storage._cdata) > ours + 1
+
+
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def outer_hooks() -> str | None:
+    """Whose saved-tensor hooks are active now: ``"checkpoint"`` (``torch.utils.checkpoint`` took over
+    the region), ``"other"`` (``save_on_cpu``, someone's own), or ``None``."""
+    if _top_hooks is None:  # an old PyTorch cannot tell whose: assume someone's
+        return "other"
+    top = _top_hooks(False)
+    if top is None:
+        return None
+    return "checkpoint" if getattr(top[0], "__module__", None) == "torch.utils.checkpoint" else "other"
 
 
 _set_version = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)

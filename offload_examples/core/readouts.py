@@ -15,6 +15,7 @@ import torch
 
 from .errors import GraphCaptureError, OffloadWarning
 from .layer_state import LayerState, LayerStats
+from .policy import outer_hooks
 from .schedule import ResidentTrace
 
 __all__ = ["EngineReadouts", "LayerCounts"]
@@ -97,9 +98,9 @@ class EngineReadouts:
         """At the first backward: warn (once) when the forward did not look like the schedule."""
         n, entered = self.model_layers, self._entered
         if not self.schedule.interleaved and entered != n:
-            self._warn_once("entries", f"the offload context was entered {entered} times before the backward, "
-                            f"but model_layers={n}: layers are offloaded and released by their position, so "
-                            "set model_layers to the number of layers run inside the context")
+            self._warn_once("entries", f"the offload context was entered {self._entries_since_backward} times before "
+                            f"this backward, but model_layers={n}: layers are offloaded and released by their "
+                            "position, so set model_layers to the number of layers run inside the context")
         elif self.schedule.releases_before_backward and not any(kind == "release" for kind, _ in self.events):
             self._warn_once("no release", "no layer was released before the backward, so offloading saved no "
                             "GPU memory in this iteration (check num_layers and model_layers)")
@@ -143,12 +144,6 @@ def _copy(stats: LayerStats) -> LayerStats:
     return dataclasses.replace(stats, candidate_sizes=list(stats.candidate_sizes))
 
 
-def _outer_hooks_active() -> bool:
-    """Whether saved-tensor hooks of someone else (a checkpoint, ``save_on_cpu``) are active now."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return True if top is None else top(False) is not None
-
-
 class LayerCounts:
     """Which layers the engine hooks, and the counts it carries over for those it does not.
 
@@ -158,8 +153,8 @@ class LayerCounts:
     hooks, and their :class:`~offload_examples.LayerStats` are carried over from that iteration
     (the theory needs them). They are counted again when a layer's output changes shape or dtype
     (the next layers at once, all of them from the next iteration). Every layer is hooked while
-    another saved-tensor hook is active (a checkpoint around the layer: its recomputation must see
-    the same tensors as its forward), and always when ``every_iteration`` is set (a probe engine).
+    another saved-tensor hook is active (``save_on_cpu`` around the model: the engine's hooks, the
+    innermost, decide for every layer's tensors, counted or not), and always when ``every_iteration`` is set (a probe engine).
     """
 
     def __init__(self, every_iteration: bool):
@@ -183,7 +178,7 @@ class LayerCounts:
 
     def hooked(self, layer: int, offloaded: bool, stats: list[LayerStats]) -> bool:
         """Whether ``layer``'s entry installs the hooks; its carried stats are dropped if it does."""
-        if offloaded or self._counted is None or self.every_iteration or _outer_hooks_active():
+        if offloaded or self._counted is None or self.every_iteration or outer_hooks() is not None:
             if layer in self._carried:
                 self._carried.discard(layer)
                 stats[layer] = LayerStats()  # counted afresh, not on top of the carried counts

@@ -46,6 +46,9 @@ def resolve_device(device: torch.device | str | int | None) -> torch.device:
     if device is None:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r}, but this PyTorch has no CUDA (torch.cuda.is_available() is False): "
+                         "pass device='cpu', or install a CUDA build of PyTorch")
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device

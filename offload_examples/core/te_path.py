@@ -10,8 +10,7 @@ module's ``OFFLOAD_SYNCHRONIZER``); the engine does the same, so that TE's layer
 computation under either offload, and comparing the two compares their offloading only.
 
 The path matters for speed, not for the result: gradients on it are bitwise those of the default
-path in the GPU tests (bf16 and both FP8 recipes), and on TE 2.20.2 its backward was faster
-(``docs/runs/2026-11-24-h100-session8/``). Only the
+path in the GPU tests (bf16 and both FP8 recipes). Only the
 presence of a value is read by TE 2.x, so the engine sets :data:`ENGINE_ACTIVE`, a marker that
 refuses every attribute access with a clear error should a later TE version expect a real
 synchronizer there. Like TE's own context, the switch is global to the process, not to a thread:

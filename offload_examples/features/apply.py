@@ -2,9 +2,9 @@
 
 A Hugging Face model, a torchvision backbone or any ``nn.Module`` runs its layers itself, so there is
 no loop to put ``with ctx:`` and ``sync`` into. :func:`offload_layers` finds the layers (by type, by
-class name, or by a test on their qualified names), and puts the context around each layer's
-forward with module hooks: a pre-hook enters it, a forward hook leaves it and passes the layer's
-output through ``sync``. The engine is the same one; only how it is entered differs::
+class name, or by a test on their qualified names) and puts each chosen layer's *call* inside the
+context, then passes its output through ``sync``. The engine is the same one; only how it is
+entered differs::
 
     from offload_examples.features.apply import offload_layers
 
@@ -13,6 +13,15 @@ output through ``sync``. The engine is the same one; only how it is entered diff
     loss.backward()
     handle.remove()                                    # the model as it was
 
+The context goes around the whole call, outside the module's hooks and outside any ``__call__`` a
+layer class defines itself. That is where it must be for activation checkpointing that wraps the
+call (transformers' ``gradient_checkpointing_enable()``): the checkpoint runs inside the context,
+so the engine offloads what the checkpoint keeps (the layer's inputs) and leaves the layer's
+internals to the checkpoint, and the recomputation in backward does not enter the context again.
+To reach around ``__call__``, each chosen layer's class is swapped for a subclass of it with the same
+name that defines only ``__call__`` (as FSDP2's ``fully_shard`` does); ``remove()`` puts the class
+back. A ``with`` block closes the layer whatever happens in it, ``KeyboardInterrupt`` included.
+
 ``modules`` narrows what is offloaded inside each chosen layer to the tensors its named submodules
 save (see :meth:`~offload_examples.OffloadEngine.offload_modules`), and
 ``max_offload_bytes_per_layer`` caps the bytes one layer offloads.
@@ -20,7 +29,7 @@ save (see :meth:`~offload_examples.OffloadEngine.offload_modules`), and
 
 from __future__ import annotations
 
-import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, Union
 
@@ -49,13 +58,14 @@ def _matches(choice: LayerChoice) -> Callable[[str, nn.Module], bool]:
 def find_layers(model: nn.Module, layers: LayerChoice) -> list[tuple[str, nn.Module]]:
     """The outermost submodules of ``model`` that ``layers`` chooses, in registration order.
 
-    A chosen module's own submodules are not searched (a layer is never nested in another). The
-    order is the order the model registered them, which is the order a sequential model runs them.
+    The model itself is never one of them (its layers are inside it), and a chosen module's own
+    submodules are not searched (a layer is never nested in another). The order is the order the
+    model registered them, which is the order a sequential model runs them.
     """
     match, found = _matches(layers), []
     skip: list[str] = []
     for name, module in model.named_modules():
-        if any(name.startswith(prefix + ".") for prefix in skip):
+        if not name or any(name.startswith(prefix + ".") for prefix in skip):
             continue
         if match(name, module):
             found.append((name, module))
@@ -75,19 +85,74 @@ def _first_tensor(output: Any) -> tuple[torch.Tensor, Callable[[torch.Tensor], A
 
 @dataclass
 class OffloadedLayers:
-    """What :func:`offload_layers` did: the context it built, the layers it hooked, and how to undo it."""
+    """What :func:`offload_layers` did: the context it built, the layers it chose, and how to undo it."""
 
     ctx: OffloadEngine
     sync: Callable[[torch.Tensor], torch.Tensor]
     names: list[str]
-    _handles: list[Any] = field(default_factory=list, repr=False)
+    _layers: list[tuple[nn.Module, type]] = field(default_factory=list, repr=False)
+    _ran: dict[int, int] = field(default_factory=dict, repr=False)  # id(layer) -> the iteration it last entered
+    _first: nn.Module | None = field(default=None, repr=False)  # the layer that began the current step
 
     def remove(self) -> None:
-        """Take every hook off (the layers and the chosen submodules); the model runs as before."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        """Take the context off every layer (their classes back, the submodules' hooks off); the model
+        runs as before."""
+        for layer, original in self._layers:
+            _CHOSEN.pop(layer, None)
+            if type(layer) is _WRAPPERS.get(original):  # a class swapped again on top of ours stays: it passes through
+                layer.__class__ = original
+        self._layers = []
         self.ctx.offload_all_modules()
+
+    def _call(self, layer: nn.Module, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """One call of a chosen layer: inside the context, its output through ``sync``."""
+        ctx = self.ctx
+        with ctx:
+            entry = ctx.open_entry  # None: a pass-through (no_grad, or a recomputation in backward)
+            if entry is not None:
+                self._check_once_per_step(layer, *entry)
+            output = call(*args, **kwargs)
+            if entry is None:
+                return output
+            hidden, rebuild = _first_tensor(output)  # an output it cannot sync abandons the step, as any failure
+        return rebuild(self.sync(hidden))
+
+    def _check_once_per_step(self, layer: nn.Module, iteration: int, entry: int) -> None:
+        """The schedule counts entries: a layer called twice in one step would shift every later one.
+
+        A second call in the same step is plain. One that begins a step while the last step still
+        waits for its backward is a second call too, unless it is the layer that began the last step
+        (a forward whose output was kept, then the next step).
+        """
+        first = entry == 0 and (not self.ctx.continued_without_backward or self._first is layer)
+        if self._ran.get(id(layer)) == iteration or (entry == 0 and not first):
+            name = self.names[next(i for i, (m, _) in enumerate(self._layers) if m is layer)]
+            raise RuntimeError(f"layer {name!r} ran twice in one forward of the model; offload_layers needs each "
+                               "chosen layer called once per step (put the context around the calls by hand otherwise)")
+        self._ran[id(layer)] = iteration
+        if entry == 0:
+            self._first = layer
+
+
+# The layers offload_layers chose, each to its handle (weakly: a layer dropped, or deep-copied, passes through).
+_CHOSEN: weakref.WeakKeyDictionary[nn.Module, OffloadedLayers] = weakref.WeakKeyDictionary()
+_WRAPPERS: dict[type, type] = {}  # a layer class -> its subclass that enters the context around __call__
+_WRAPPED: dict[type, type] = {}  # and back
+
+
+def _wrapper_class(cls: type) -> type:
+    """``cls`` with a ``__call__`` that runs the original one inside the layer's offload context."""
+    wrapper = _WRAPPERS.get(cls)
+    if wrapper is None:
+        def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            call = super(wrapper, self).__call__
+            handle = _CHOSEN.get(self)
+            return call(*args, **kwargs) if handle is None else handle._call(self, call, args, kwargs)
+
+        wrapper = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
+                                              "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+        _WRAPPERS[cls], _WRAPPED[wrapper] = wrapper, cls
+    return wrapper
 
 
 def offload_layers(model: nn.Module, layers: LayerChoice, num_layers: int, *,
@@ -100,7 +165,9 @@ def offload_layers(model: nn.Module, layers: LayerChoice, num_layers: int, *,
         The model; its ``forward`` is not touched.
     layers:
         Which submodules are the layers: a module type (``LlamaDecoderLayer``), a class name
-        (``"GPT2Block"``), or a function ``(qualified_name, module) -> bool``.
+        (``"GPT2Block"``), or a function ``(qualified_name, module) -> bool``. Several kinds of layer
+        (an encoder's and a decoder's) with a function or a common base class; the model itself is
+        never chosen.
     num_layers:
         ``k``: the first ``k`` layers found are offloaded (the ``num_layers`` of
         :func:`~offload_examples.get_cpu_offload_context`); the others still enter the context, which
@@ -115,56 +182,32 @@ def offload_layers(model: nn.Module, layers: LayerChoice, num_layers: int, *,
     Raises
     ------
     ValueError
-        No layer matches, or a name in ``modules`` is missing from a layer.
+        No layer matches, a layer is offloaded by another :func:`offload_layers` already, or a name in
+        ``modules`` is missing from a layer.
     """
     found = find_layers(model, layers)
     if not found:
         raise ValueError(f"no submodule of {type(model).__name__} matches layers={layers!r}")
-    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=num_layers, model_layers=len(found), **context_options)
-    handle = OffloadedLayers(ctx, sync, [name for name, _ in found])
+    for name, layer in found:
+        if layer in _CHOSEN:
+            raise ValueError(f"layer {name!r} is offloaded by another offload_layers already: call its remove() first")
+    chosen = []
     if modules is not None:
-        chosen = []
         for name, layer in found:
             for sub in modules:
                 try:
                     chosen.append(layer.get_submodule(sub))
                 except AttributeError:
                     raise ValueError(f"layer {name!r} ({type(layer).__name__}) has no submodule {sub!r}") from None
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=num_layers, model_layers=len(found), **context_options)
+    handle = OffloadedLayers(ctx, sync, [name for name, _ in found])
+    if chosen:
         ctx.offload_modules(chosen)
-
-    ran: set[int] = set()  # layers entered in the model's current forward
-    inside: set[int] = set()  # layers whose entry this hook made (a pre-hook before it may raise first)
-
-    def new_forward(module: nn.Module, args: Any) -> None:
-        ran.clear()
-
-    def enter(module: nn.Module, args: Any) -> None:
-        if id(module) in ran:  # the schedule counts entries: a second call would shift every later layer
-            raise RuntimeError(f"layer {names[id(module)]!r} ran twice in one forward of the model; offload_layers "
-                               "needs each chosen layer called once per forward (use the context by hand otherwise)")
-        ctx.__enter__()
-        ran.add(id(module))
-        inside.add(id(module))
-
-    def leave(module: nn.Module, args: Any, output: Any) -> Any:
-        if id(module) not in inside:
-            return None
-        inside.discard(id(module))
-        error = sys.exc_info()
-        if output is None and error[0] is not None:  # the layer raised: leave as a with-block would
-            ctx.__exit__(*error)
-            return None
-        try:
-            hidden, rebuild = _first_tensor(output)
-        except TypeError as err:
-            ctx.__exit__(TypeError, err, err.__traceback__)  # the step is abandoned, as for any failure inside
-            raise
-        ctx.__exit__(None, None, None)
-        return rebuild(sync(hidden))
-
-    names = {id(layer): name for name, layer in found}
-    handle._handles.append(model.register_forward_pre_hook(new_forward))
     for _, layer in found:
-        handle._handles.append(layer.register_forward_pre_hook(enter))
-        handle._handles.append(layer.register_forward_hook(leave, always_call=True))
+        original = type(layer)
+        if original in _WRAPPED:  # a copy of a layer chosen before (deepcopy keeps the class): unwrap first
+            original = _WRAPPED[original]
+        layer.__class__ = _wrapper_class(original)
+        handle._layers.append((layer, original))
+        _CHOSEN[layer] = handle
     return handle

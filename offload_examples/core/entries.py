@@ -1,0 +1,273 @@
+"""How a step enters and leaves the offload context, and how its backward is seen: ``with ctx:`` and ``sync``.
+
+:class:`~offload_examples.core.engine.OffloadEngine` derives from :class:`EngineEntries`. Every
+``with ctx:`` is one of two kinds:
+
+- a **pass-through**, which saves nothing for this step and counts for nothing: an entry under
+  ``no_grad`` or ``inference_mode`` (evaluation, or another thread's inference on a shared engine),
+  or an entry while autograd runs a backward (a checkpoint recomputing the layer: what it saves
+  belongs to the checkpoint, and the layer's forward already counted);
+- a **layer**: the next entry of the step, numbered in order. Its saved tensors go through the
+  engine's hooks, except inside a region that ``torch.utils.checkpoint`` already took over: there
+  the checkpoint keeps only its inputs and recomputes the rest, so the entry counts but hooks
+  nothing.
+
+One thread at a time may be inside a layer (a training step is one thread's work); pass-throughs
+may come from any thread meanwhile. Leaving is the mirror image, and it always happens, whatever
+the exception (``KeyboardInterrupt`` included): nothing of a layer stays open after its ``with``
+block.
+
+``sync`` hangs a :class:`_BackwardTrigger` on each layer's output. Its call is when the layer's
+backward starts (the schedule's reload trigger); its death without a call means the step's graph
+was dropped without that backward, which is how the engine notices that a step failed between two
+layers (outside its context) and that the next entry begins a new step.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from types import TracebackType
+
+import torch
+
+from . import te_path
+from .errors import hooks_refused_error, nested_error, timing_in_capture_error
+from .layer_state import LayerState
+from .policy import outer_hooks
+
+__all__ = ["EngineEntries"]
+
+_active = threading.local()  # the engine whose layer is open in this thread, if any
+_in_backward = getattr(torch._C, "_current_autograd_node", lambda: None)
+
+
+class _BackwardTrigger:
+    """The hook ``sync`` hangs on a layer's output: called when the layer's backward starts.
+
+    Autograd keeps it with the output's graph. If it dies uncalled, that graph was dropped without
+    the layer's backward (the step failed, or its output was discarded): it tells the engine so.
+    """
+
+    __slots__ = ("engine_ref", "iteration", "layer", "fired", "__weakref__")
+
+    def __init__(self, engine_ref: weakref.ref, iteration: int, layer: int):
+        self.engine_ref, self.iteration, self.layer, self.fired = engine_ref, iteration, layer, False
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        self.fired = True
+        engine = self.engine_ref()
+        if engine is not None:
+            engine._backward_started(self.iteration, self.layer)
+
+    def __del__(self) -> None:
+        try:
+            engine = self.engine_ref()
+            if not self.fired and engine is not None and engine.iteration == self.iteration:
+                engine._graph_dropped = True  # one assignment: safe from any thread, no lock taken
+        except Exception:  # interpreter shutdown: nothing left to tell
+            pass
+
+
+def _disabled_for_dynamo(fn):
+    """Run ``fn`` eagerly even inside a ``torch.compile``\\ d model: the engine's bookkeeping (hooks,
+    version counters, streams) must run as written, never be traced into a graph. The layer's own
+    forward, called between ``__enter__`` and ``__exit__``, is still compiled."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(fn) if disable is not None else fn
+
+
+class EngineEntries:
+    """Entering and leaving the context, one layer at a time, and ``sync``."""
+
+    def _init_entries(self) -> None:
+        self._local = threading.local()  # per thread: pass-through entries open, and whether the last was one
+        self._inside: int | None = None  # the thread inside a layer now
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._layer = 0  # the entry open now (read by _pack)
+        self._offloading = False  # the schedule offloads the layer being entered (read by _pack)
+        self._entries_since_backward = 0  # layers entered since the last step's backward began (warnings)
+        #: Whether the step now running began while the last one's graph was still waiting for its
+        #: backward (a forward whose output is kept, or more entries than ``model_layers`` in one step).
+        self.continued_without_backward = False
+
+    @property
+    def open_entry(self) -> tuple[int, int] | None:
+        """``(iteration, layer)`` of the layer this thread is inside now, or ``None`` (outside the
+        context, or inside a pass-through entry)."""
+        return (self.iteration, self._layer) if self._inside == threading.get_ident() else None
+
+    def _thread(self) -> threading.local:
+        local = self._local
+        if not hasattr(local, "depth"):
+            local.depth, local.last = 0, False  # pass-throughs open; whether the last entry was one
+        return local
+
+    @_disabled_for_dynamo
+    def __enter__(self):
+        me, local = threading.get_ident(), self._thread()
+        if self._inside == me:
+            raise RuntimeError("the offload context is already active: it cannot be nested")
+        passthrough = not torch.is_grad_enabled() or _in_backward() is not None
+        if local.depth:
+            if not passthrough:
+                raise RuntimeError("the offload context is already active (entered under no_grad): it cannot be nested")
+        if passthrough:  # nothing is saved for this step's backward: not an entry of the step
+            local.depth += 1
+            local.last = True  # its output's sync hooks nothing (see sync)
+            if _in_backward() is not None:  # a recomputation takes the path its forward took
+                te_path.switch_on()
+            return self
+        if self._inside is not None:
+            raise RuntimeError("another thread is inside a layer of this offload context: one thread at a time "
+                               "may train through it (no_grad passes may share it from any thread)")
+        if getattr(_active, "engine", None) is not None:
+            raise nested_error()
+        if self.recorder is not None and self.capturing():
+            raise timing_in_capture_error()
+        j = self._begin_layer()
+        outer = outer_hooks()
+        if outer == "checkpoint":
+            self._warn_once("checkpoint", "the offload context was entered inside a torch.utils.checkpoint region: "
+                            "the checkpoint keeps the layer's inputs, saved before the context began, and recomputes "
+                            "the rest, so nothing of this layer is offloaded. Enter the context around the checkpoint "
+                            "instead (offload_layers does) to offload what the checkpoint keeps")
+        self._offloading = self.schedule.is_offloaded(j) and outer != "checkpoint"
+        hooks = None
+        try:
+            if outer != "checkpoint" and self.counts.hooked(j, self._offloading, self.stats):
+                hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+                try:
+                    hooks.__enter__()
+                except RuntimeError as err:  # torch.func transforms, disable_saved_tensors_hooks
+                    raise hooks_refused_error(err) from err
+            # last, so that a failed entry leaves it off: TE's layers take the path they take under TE's offload
+            te_path.switch_on()
+        except BaseException:
+            self._abort()  # the layer began: abandon the step, as for any failure inside
+            raise
+        self._hooks, self._layer, self._inside, _active.engine = hooks, j, me, self
+        local.last = False
+        return self
+
+    def _begin_layer(self) -> int:
+        """The entry's number in the step (a new step begins when the last one is over); its forward's actions."""
+        with self._lock:
+            try:
+                if self._iteration_over():
+                    # model_layers entries, and nothing since says the step ended: a new step, or more
+                    # entries than model_layers in one (offload_layers tells the two apart by the layer)
+                    self.continued_without_backward = not self._backward_seen and not self._step_abandoned()
+                    self._new_iteration()
+                j = self._entered
+                self._move(j, LayerState.RUNNING, f"the forward of entry {j} started")
+                ready = self._mark()
+                waited = self._run_actions("forward", j)
+                self.events.append(("forward", j))
+                self._note_phase("forward", j, ready if waited else None)
+            except BaseException:
+                self._abort()  # no half-updated layer state survives a failed entry
+                raise
+        self._entries_since_backward += 1
+        return j
+
+    @_disabled_for_dynamo
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        local = self._thread()
+        if local.depth:
+            local.depth -= 1
+            if _in_backward() is not None:
+                te_path.switch_off()
+            return
+        if self._inside != threading.get_ident():  # a stray second exit, or one from another thread
+            return
+        try:
+            te_path.switch_off()
+            if self._hooks is not None:
+                self._hooks.__exit__(exc_type, exc, tb)
+        finally:  # whatever happens above, the layer is closed
+            self._hooks, self._inside, _active.engine = None, None, None
+        if exc_type is not None:
+            self._abort()
+            return
+        with self._lock:
+            j = self._layer
+            try:
+                offloading = self.schedule.is_offloaded(j) and self.schedule.offload_at_exit
+                self._move(j, LayerState.OFFLOADING if offloading else LayerState.SAVED, "its forward ended")
+                if offloading:
+                    self._start_offload(j)
+            except BaseException:
+                self._abort()
+                raise
+            self.resident_trace.append(("forward", j, self.resident_bytes))
+            self._entered += 1
+
+    @_disabled_for_dynamo
+    def sync(self, x: torch.Tensor) -> torch.Tensor:
+        """Mark ``x`` as the output of the layer that just ran; returns ``x``.
+
+        The gradient of ``x`` arrives exactly when that layer's backward starts, so a hook on it
+        is where the schedule starts reloads.
+        """
+        if self._inside == threading.get_ident():
+            raise RuntimeError("sync must be called after leaving the offload context, not inside it")
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"sync expects the layer's output tensor, got {type(x).__name__}")
+        if not x.requires_grad or _in_backward() is not None:  # no backward of this step will come for it
+            return x
+        if x.grad_fn is None and self._thread().last:
+            # The layer ran under no_grad and handed back a leaf that requires grad (its input, through
+            # an Identity or an eval-mode Dropout): no layer of the step made it, so there is nothing to
+            # mark. (An output with a grad_fn was made with grad enabled: a real layer's.)
+            return x
+        if self._entered == 0:
+            raise RuntimeError("sync was called before any layer ran inside the offload context")
+        layer = self._entered - 1
+        self.counts.output(layer, x)
+        trigger = _BackwardTrigger(self._ref, self.iteration, layer)
+        handle = x.register_hook(trigger)
+        with self._lock:
+            self._triggers.append(weakref.ref(trigger))
+            if x.grad_fn is None:  # a leaf the caller keeps (the layer returned its input): the hook
+                self._leaf_hooks.append(handle)  # would stay on it for good; taken off when the step ends
+        return x
+
+    def _backward_started(self, iteration: int, layer: int) -> None:
+        with self._lock:
+            if iteration != self.iteration:
+                if iteration == self.iteration - 1 and self.schedule.interleaved and self._entered and not self._backward_seen:
+                    self._warn_once("late backward", f"the backward of entry {layer} of the previous step ran after "
+                                    f"this step's forwards began, so its reloads were not scheduled: if one step enters "
+                                    f"the context more than model_layers={self.model_layers} times, raise model_layers "
+                                    "to the entries per step (layers x micro-batches)")
+                return  # a graph kept from an older iteration (its views reload on demand)
+            if layer in self._backwards:
+                return  # a second backward through the same graph
+            if self.schedule.expects_reload(layer) and self.layer_state[layer] != LayerState.RELOADING:
+                raise RuntimeError(f"{self.schedule.describe(layer)}: the backward of layer {layer} started, "
+                                   f"but the layer {self.layer_state[layer].value}")
+            if not self._backward_seen:
+                self._check_iteration_shape()
+                self._entries_since_backward = 0
+            self._backward_seen = True
+            self._backwards.add(layer)
+            self.events.append(("backward", layer))
+            ready = self._mark()
+            waited = self._run_actions("backward", layer)
+            self.resident_trace.append(("backward", layer, self.resident_bytes))
+            self._note_phase("backward", layer, ready if waited else None)
+
+    def _step_abandoned(self) -> bool:
+        """Whether the current step's graph was dropped (some layer's output died before its backward)
+        and nothing of it waits for a backward any more: the step failed between two layers."""
+        if not self._graph_dropped:
+            return False
+        return not any((t := ref()) is not None and not t.fired for ref in self._triggers)
+
+    def _remove_leaf_hooks(self) -> None:
+        for handle in getattr(self, "_leaf_hooks", ()):
+            handle.remove()
+        self._leaf_hooks: list[torch.utils.hooks.RemovableHandle] = []
+
