@@ -385,7 +385,7 @@ def test_a_failure_in_the_saved_view_finaliser_is_reported(monkeypatch):
     ctx, sync, _ = make_ctx("default")
     h = forward(model, x, ctx, sync)
 
-    def broken(record):
+    def broken(record, used):
         raise RuntimeError("injected: freeing failed")
 
     monkeypatch.setattr(ctx, "_view_dropped", broken)

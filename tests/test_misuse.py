@@ -111,11 +111,11 @@ def test_entering_more_than_model_layers_times():
     ctx, sync = offload(1, 2)
     expected = training_step(model, x)
     # The third entry starts the next iteration (as after a forward whose backward was skipped);
-    # the backward then finds one entry where the schedule expects two, and says so.
+    # the backward then finds one entry where the schedule expects two, and counts all three.
     with pytest.warns(OffloadWarning) as caught:
         got = training_step(model, x, ctx, sync)
     messages = [str(w.message) for w in caught]
-    assert any("entered 1 times before the backward, but model_layers=2" in m for m in messages), messages
+    assert any("entered 3 times before this backward, but model_layers=2" in m for m in messages), messages
     assert torch.equal(expected, got)
 
 

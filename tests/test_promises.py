@@ -378,7 +378,8 @@ def test_an_input_the_caller_lets_go_of_is_freed_and_parameters_stay():
     h.sum().backward()
 
 
-def test_a_cast_of_a_leaf_input_is_offloaded_and_the_leaf_itself_stays():
+def test_a_leaf_that_requires_grad_and_its_cast_stay_and_what_is_made_from_them_goes():
+    """Its graph holds such a leaf, and autocast's cache holds casts of it: a copy would free nothing."""
     class Cast(nn.Module):
         def forward(self, x):
             return torch.sin(x.double()).float()  # sin saves its input: the cast
@@ -387,13 +388,12 @@ def test_a_cast_of_a_leaf_input_is_offloaded_and_the_leaf_itself_stays():
     x = torch.randn(64, 32, requires_grad=True)
     with ctx:
         h = Cast()(x)
-        h = h * x  # saves h and x: a leaf that requires grad, which its graph holds anyway
+        h = h * x  # saves h (an activation) and x
     h = sync(h)
     with ctx:
         h = Block()(h)
     sync(h).sum().backward()
-    assert ctx.stats[0].offloaded_bytes == 64 * 32 * (8 + 4)  # the double cast and h; not x
-    assert x.untyped_storage().data_ptr() not in {rec.address for rec in ctx._records[0]}
+    assert ctx.stats[0].offloaded_bytes == 64 * 32 * 4 and ctx.stats[0].offloaded_storages == 1  # h alone
 
 
 # ---------------------------------------------------------------- offload_layers and counts
@@ -440,3 +440,232 @@ def test_a_cuda_device_without_cuda_is_a_clear_error():
         pytest.skip("this machine has CUDA")
     with pytest.raises(ValueError, match="no CUDA"):
         get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2, device="cuda")
+
+
+# ---------------------------------------------------------------- found by a review (each failed before its fix)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_failure_before_the_first_sync_ends_the_step(mode):
+    """Nothing synced yet: the offloaded tensors that die unused tell the engine the graph is gone."""
+    model, x = make_model(), data()
+    expected = run(model, x)
+    ctx, sync, synchronizer = make_ctx(mode)
+    with pytest.raises(MemoryError):
+        with ctx:
+            h = model[0](x)
+        raise MemoryError("skipped batch")  # a loop that catches it goes on with the next batch
+    del h
+    for _ in range(2):
+        assert same(expected, run(model, x, ctx, sync, synchronizer))
+        assert ctx.phase_order() == ORDER
+
+
+def test_a_kept_exception_does_not_stall_offload_layers():
+    """IPython keeps the last exception (and so its frames and tensors): the layer that began the step
+    beginning it again tells offload_layers that the last step is over."""
+    model = Model(Interrupting)
+    expected = train_step(model, X)
+    handle = offload_layers(model, Interrupting, num_layers=2, device=CPU)
+    kept = []
+
+    def failing(h):
+        h = model.embed(h)
+        h = model.layers[0](h)
+        h = model.layers[1](h)
+        raise ValueError("the loss failed")
+
+    try:
+        failing(X)
+    except ValueError as err:
+        kept.append(err)  # holds the frames, the graph, the triggers
+    for _ in range(2):
+        assert same(expected, train_step(model, X))
+        assert handle.ctx.phase_order()[0] == ("forward", 0)
+    handle.remove()
+
+
+def test_a_layer_handing_back_a_kept_leaf_does_not_hide_a_failed_step():
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=3, device=CPU)
+    identity, blocks = nn.Identity(), [Block(), Block()]
+    x = X.clone().requires_grad_()
+
+    def step(fail: bool):
+        with ctx:
+            h = identity(x)
+        h = sync(h)  # a leaf: its hook lives as long as the caller keeps x
+        for j, block in enumerate(blocks):
+            with ctx:
+                h = block(h)
+            h = sync(h)
+            if fail and j == 0:
+                raise ValueError("between layers")
+        h.sum().backward()
+
+    with pytest.raises(ValueError):
+        step(True)
+    for _ in range(2):
+        step(False)
+        assert ctx.phase_order() == [("forward", j) for j in range(3)] + [("backward", j) for j in (2, 1, 0)]
+
+
+def test_the_pool_gives_back_from_inside_its_own_lock():
+    """The garbage collector may free a graph, and give its buffers back, while acquire() holds the lock."""
+    from offload_examples.core.host_pool import HostBufferPool
+
+    pool = HostBufferPool(pin_memory=False)
+    buf = pool.acquire(64)
+    done = threading.Event()
+
+    def reenter():
+        with pool._lock:
+            pool.give_back(buf, None)
+        done.set()
+
+    thread = threading.Thread(target=reenter, daemon=True)
+    thread.start()
+    assert done.wait(10), "give_back deadlocked inside the pool's own lock"
+
+
+def test_a_model_dropped_without_remove_takes_its_layers_and_engine_with_it():
+    model = Model()
+    handle = offload_layers(model, Block, num_layers=2, device=CPU)
+    train_step(model, X)
+    layer, engine = weakref.ref(model.layers[0]), weakref.ref(handle.ctx)
+    del model, handle
+    assert layer() is None and engine() is None
+
+
+def test_layers_compiled_one_by_one_are_offloaded():
+    model = Model()
+    expected = train_step(model, X)
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = torch.compile(layer, backend="eager")
+    handle = offload_layers(model, Block, num_layers=2, device=CPU)
+    assert same(expected, train_step(model, X))
+    assert [s.offloaded_bytes > 0 for s in handle.ctx.stats] == [True, True, False, False]
+    handle.remove()
+    torch._dynamo.reset()
+
+
+def test_offload_layers_again_after_another_class_swap_and_remove():
+    model = Model()
+    expected = train_step(model, X)
+    handle = offload_layers(model, Block, num_layers=2, device=CPU)
+    for layer in model.layers:  # as FSDP2's fully_shard does: a subclass of the class it finds
+        layer.__class__ = type(f"Sharded{type(layer).__name__}", (type(layer),), {})
+    assert same(expected, train_step(model, X))
+    handle.remove()
+    handle = offload_layers(model, Block, num_layers=2, device=CPU)
+    assert same(expected, train_step(model, X)) and handle.ctx.offloaded_bytes > 0
+    handle.remove()
+
+
+def test_a_failed_entry_under_warnings_as_errors_leaves_nothing_open():
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2, device=CPU)
+    blocks = [Block(), Block()]
+
+    def entered(block):
+        def run(h):
+            with ctx:
+                return block(h)
+        return run
+
+    h = X.clone().requires_grad_()
+    with pytest.raises(OffloadWarning, match="inside a torch.utils.checkpoint region"):  # an error in the tests
+        checkpoint(entered(blocks[0]), h, use_reentrant=False)
+    assert ctx.open_entry is None and all(s.value != "is still running its forward" for s in ctx.layer_state)
+    for block in blocks:
+        with ctx:
+            h = block(h)
+        h = sync(h)
+    h.sum().backward()
+    assert ctx.stats[0].offloaded_bytes > 0
+
+
+def test_an_in_place_change_after_a_save_nobody_backpropagates_through_is_accepted():
+    """Autograd refuses an in-place change only where a backward reads the changed tensor."""
+    def step(offload: bool):
+        torch.manual_seed(0)
+        lin, head, lin2, tail = nn.Linear(32, 64), nn.Linear(64, 3), nn.Linear(64, 32), nn.Linear(32, 32)
+        ctx, sync = (get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2, device=CPU,
+                                             min_offload_bytes=0) if offload else (torch.enable_grad(), lambda t: t))
+        with ctx:
+            h = lin(X)
+            aux = head(h)  # saves h; its output is only logged
+            h.relu_()  # relu_ saves its result: h again, one version later
+            out = lin2(h)
+        out = sync(out)
+        with ctx:
+            out = tail(out)
+        sync(out).square().mean().backward()
+        del aux
+        return [p.grad.clone() for p in lin.parameters()]
+
+    assert same(step(False), step(True))
+
+
+def test_a_second_thread_entering_between_the_first_threads_layers_is_refused():
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2, device=CPU)
+    blocks, errors = [Block(), Block()], []
+    h = X.clone().requires_grad_()
+    with ctx:
+        h = blocks[0](h)
+    h = sync(h)
+
+    def other():
+        try:
+            with ctx:
+                blocks[1](X)
+        except RuntimeError as err:
+            errors.append(str(err))
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join(30)
+    assert errors and "another thread is in the middle of a step" in errors[0]
+    with ctx:
+        h = blocks[1](h)
+    sync(h).sum().backward()
+    assert ctx.phase_order() == [("forward", 0), ("forward", 1), ("backward", 1), ("backward", 0)]
+
+
+def test_a_model_with_offload_layers_pickles_as_the_plain_model():
+    import copy
+    import io
+
+    model = Model()
+    handle = offload_layers(model, Block, num_layers=2, device=CPU)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert type(loaded.layers[0]) is Block and type(copy.deepcopy(model).layers[0]) is Block
+    assert same(train_step(loaded, X), train_step(model, X))
+    handle.remove()
+
+
+def test_offload_layers_rebuilds_a_namedtuple_output():
+    import collections
+
+    Out = collections.namedtuple("Out", "hidden extra")
+
+    class TupleBlock(Block):
+        def forward(self, x):
+            return Out(super().forward(x), 1)
+
+    layers = nn.ModuleList(TupleBlock() for _ in range(3))
+    handle = offload_layers(layers, TupleBlock, num_layers=1, device=CPU)
+    h = X.clone().requires_grad_()
+    for layer in layers:
+        out = layer(h)
+        assert isinstance(out, Out)
+        h = out.hidden
+    h.sum().backward()
+    handle.remove()
+
+
+def test_nested_offload_layers_are_refused_when_applied():
+    model = Model()
+    handle = offload_layers(model, Block, num_layers=2, device=CPU)
+    with pytest.raises(ValueError, match="offloaded by another offload_layers"):
+        offload_layers(model, nn.Linear, num_layers=2, device=CPU)
+    handle.remove()

@@ -67,10 +67,17 @@ def test_a_failed_layer_and_tes_own_context_keep_the_switch_right(fake_te):
     assert fake_te.OFFLOAD_SYNCHRONIZER is theirs
 
 
-def test_entries_under_no_grad_and_a_missing_te_change_nothing(fake_te, monkeypatch):
+def test_entries_under_no_grad_take_tes_offload_path_and_a_missing_te_changes_nothing(fake_te, monkeypatch):
+    """As under TE's own context, whatever the grad mode: a reentrant checkpoint runs its forward under
+    no_grad and its recomputation with grad, and both must take the same path."""
     ctx, _ = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2, device="cpu")
     with torch.no_grad(), ctx:
-        assert fake_te.OFFLOAD_SYNCHRONIZER is None  # nothing is saved: no entry of the step
+        assert fake_te.OFFLOAD_SYNCHRONIZER is te_path.ENGINE_ACTIVE
+    assert fake_te.OFFLOAD_SYNCHRONIZER is None
+    with torch.no_grad():
+        ctx.__enter__()  # never left ...
+    ctx.reset()  # ... and forgotten: the switch goes off with it
+    assert fake_te.OFFLOAD_SYNCHRONIZER is None
     monkeypatch.delitem(sys.modules, te_path._MODULE)
     with ctx:
         assert not te_path.path_is_on()

@@ -251,7 +251,7 @@ class _SavedView:
     in-place change is caught exactly where autograd would catch it: through that tensor's counter.
     """
 
-    __slots__ = ("record", "engine_ref", "dtype", "size", "stride", "offset", "witness", "version")
+    __slots__ = ("record", "engine_ref", "dtype", "size", "stride", "offset", "witness", "version", "used")
 
     def __init__(self, record: _StorageRecord, t: torch.Tensor, engine_ref: weakref.ref[OffloadEngine],
                  own_counter: bool = False):
@@ -259,6 +259,7 @@ class _SavedView:
         self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
         self.version = t._version
         self.witness = version_witness(t.detach()) if own_counter else None
+        self.used = False  # unpacked by a backward: a view dropped unused tells of a graph dropped
         record.views += 1
 
     def check_version(self) -> None:
@@ -271,7 +272,7 @@ class _SavedView:
         try:
             engine = self.engine_ref()
             if engine is not None:
-                engine._view_dropped(self.record)
+                engine._view_dropped(self.record, self.used)
             else:  # the engine is gone: free the record by itself
                 self.record.views -= 1
                 if self.record.views == 0 and not self.record.aborted:
@@ -349,7 +350,7 @@ class OffloadEngine(EngineEntries, EngineIterations, EngineReadouts, EngineSetti
             pin_memory=device.type == "cuda", retain=retain_pinned_cpu_buffers, limit_bytes=host_memory_limit
         )
         self.record_memory = False
-        self._ref = weakref.ref(self)  # what each saved view holds: the engine is not kept alive by autograd
+        self._ref = weakref.ref(self)  # what each saved view holds (a graph keeps the engine through its hooks)
         self._lock = threading.RLock()  # views die and backward hooks run on autograd's threads
         self._warned: set[str] = set()
         self.iteration = -1
@@ -421,7 +422,6 @@ class OffloadEngine(EngineEntries, EngineIterations, EngineReadouts, EngineSetti
         for rec in self._records[layer]:
             if rec.device is not None and rec.host is not None:
                 rec.check_capture("released", capturing)
-                rec.check_version()
                 if held_elsewhere(rec.device, ours=self._engine_refs(rec)):  # dropping frees nothing
                     self.stats[layer].held_bytes += rec.nbytes
                 rec.drop_device(capturing, waited=waited)
@@ -524,11 +524,12 @@ class OffloadEngine(EngineEntries, EngineIterations, EngineReadouts, EngineSetti
         address = storage.data_ptr()
         known = self._by_storage[layer].get(address)
         self._saves += 1
-        if known is not None and known.device is not None and known.nbytes == storage.nbytes():
-            if known.shares_counter(t) and known.version != t._version:
-                raise in_place_error(layer)
+        if known is not None and known.device is not None and known.nbytes == storage.nbytes() \
+                and not (known.shares_counter(t) and known.version != t._version):
             known.last_saved = self._saves
             return known
+        # (a storage written in place since its first save gets a record of its own: autograd refuses
+        # the first save's use at its backward, if that ever comes, and this one's bytes are the new ones)
         rec = _StorageRecord(self, layer, t, storage, self.streams.current(), self.capturing())
         stats = self.stats[layer]
         stats.candidate_bytes += rec.nbytes
@@ -548,6 +549,7 @@ class OffloadEngine(EngineEntries, EngineIterations, EngineReadouts, EngineSetti
             raise aborted_step_error()
         rec.check_capture("used by backward", self.capturing())
         view.check_version()
+        view.used = True
         if rec.device is None:
             self._reload_on_demand(rec)
         Streams.use(rec.device, rec.reloaded, self.streams.current())  # only this tensor's copy
@@ -565,11 +567,12 @@ class OffloadEngine(EngineEntries, EngineIterations, EngineReadouts, EngineSetti
         with self._lock:
             self._reload([rec])
 
-    def _view_dropped(self, rec: _StorageRecord) -> None:
+    def _view_dropped(self, rec: _StorageRecord, used: bool) -> None:
         with self._lock:
             rec.views -= 1
             if rec.iteration == self.iteration:
                 self.live_views -= 1
+                self._graph_dropped = self._graph_dropped or not used
             if rec.views == 0 and not rec.aborted:
                 if rec.device is not None and rec.host is not None and rec.iteration == self.iteration:
                     self.resident_bytes -= rec.nbytes

@@ -85,6 +85,7 @@ class EngineEntries:
         self._inside: int | None = None  # the thread inside a layer now
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._layer = 0  # the entry open now (read by _pack)
+        self._trainer: int | None = None  # the thread whose step is under way
         self._offloading = False  # the schedule offloads the layer being entered (read by _pack)
         self._entries_since_backward = 0  # layers entered since the last step's backward began (warnings)
         #: Whether the step now running began while the last one's graph was still waiting for its
@@ -109,52 +110,59 @@ class EngineEntries:
         if self._inside == me:
             raise RuntimeError("the offload context is already active: it cannot be nested")
         passthrough = not torch.is_grad_enabled() or _in_backward() is not None
-        if local.depth:
-            if not passthrough:
-                raise RuntimeError("the offload context is already active (entered under no_grad): it cannot be nested")
+        if local.depth and not passthrough:
+            raise RuntimeError("the offload context is already active (entered under no_grad): it cannot be nested")
         if passthrough:  # nothing is saved for this step's backward: not an entry of the step
+            te_path.switch_on()  # a recomputation (or a no_grad forward) takes the path a layer's forward takes
             local.depth += 1
             local.last = True  # its output's sync hooks nothing (see sync)
-            if _in_backward() is not None:  # a recomputation takes the path its forward took
-                te_path.switch_on()
             return self
-        if self._inside is not None:
-            raise RuntimeError("another thread is inside a layer of this offload context: one thread at a time "
-                               "may train through it (no_grad passes may share it from any thread)")
         if getattr(_active, "engine", None) is not None:
             raise nested_error()
         if self.recorder is not None and self.capturing():
             raise timing_in_capture_error()
-        j = self._begin_layer()
-        outer = outer_hooks()
-        if outer == "checkpoint":
-            self._warn_once("checkpoint", "the offload context was entered inside a torch.utils.checkpoint region: "
-                            "the checkpoint keeps the layer's inputs, saved before the context began, and recomputes "
-                            "the rest, so nothing of this layer is offloaded. Enter the context around the checkpoint "
-                            "instead (offload_layers does) to offload what the checkpoint keeps")
-        self._offloading = self.schedule.is_offloaded(j) and outer != "checkpoint"
-        hooks = None
+        j = self._begin_layer(me)  # from here on, a failure abandons the step
         try:
+            outer = outer_hooks()
+            if outer == "checkpoint":
+                self._warn_once("checkpoint", "the offload context was entered inside a torch.utils.checkpoint "
+                                "region: the checkpoint keeps the layer's inputs, saved before the context began, and "
+                                "recomputes the rest, so nothing of this layer is offloaded. Enter the context around "
+                                "the checkpoint instead (offload_layers does) to offload what the checkpoint keeps")
+            self._offloading = self.schedule.is_offloaded(j) and outer != "checkpoint"
             if outer != "checkpoint" and self.counts.hooked(j, self._offloading, self.stats):
                 hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
                 try:
                     hooks.__enter__()
                 except RuntimeError as err:  # torch.func transforms, disable_saved_tensors_hooks
                     raise hooks_refused_error(err) from err
+                self._hooks = hooks
             # last, so that a failed entry leaves it off: TE's layers take the path they take under TE's offload
             te_path.switch_on()
         except BaseException:
+            if self._hooks is not None:
+                self._hooks.__exit__(None, None, None)
+            self._hooks, self._inside = None, None
             self._abort()  # the layer began: abandon the step, as for any failure inside
             raise
-        self._hooks, self._layer, self._inside, _active.engine = hooks, j, me, self
+        _active.engine = self
         local.last = False
         return self
 
-    def _begin_layer(self) -> int:
-        """The entry's number in the step (a new step begins when the last one is over); its forward's actions."""
+    def _begin_layer(self, me: int) -> int:
+        """Claim the context for thread ``me`` and number the entry (a new step begins when the last one
+        is over); run its forward's actions. All under the lock: two threads cannot both get in."""
         with self._lock:
+            if self._inside is not None:
+                raise RuntimeError("another thread is inside a layer of this offload context: one thread at a "
+                                   "time may train through it (no_grad passes may share it from any thread)")
+            over = self._iteration_over()
+            if not over and self._entered and self._trainer != me:
+                raise RuntimeError("another thread is in the middle of a step through this offload context: one "
+                                   "thread at a time may train through it (no_grad passes may share it)")
+            self._inside, self._trainer = me, me
             try:
-                if self._iteration_over():
+                if over:
                     # model_layers entries, and nothing since says the step ended: a new step, or more
                     # entries than model_layers in one (offload_layers tells the two apart by the layer)
                     self.continued_without_backward = not self._backward_seen and not self._step_abandoned()
@@ -166,8 +174,10 @@ class EngineEntries:
                 self.events.append(("forward", j))
                 self._note_phase("forward", j, ready if waited else None)
             except BaseException:
+                self._inside = None
                 self._abort()  # no half-updated layer state survives a failed entry
                 raise
+            self._layer = j
         self._entries_since_backward += 1
         return j
 
@@ -177,11 +187,11 @@ class EngineEntries:
         local = self._thread()
         if local.depth:
             local.depth -= 1
-            if _in_backward() is not None:
-                te_path.switch_off()
+            te_path.switch_off()
             return
         if self._inside != threading.get_ident():  # a stray second exit, or one from another thread
-            return
+            raise RuntimeError("the offload context was left without being entered in this thread "
+                               "(a second __exit__, or one from another thread)")
         try:
             te_path.switch_off()
             if self._hooks is not None:
@@ -229,9 +239,10 @@ class EngineEntries:
         trigger = _BackwardTrigger(self._ref, self.iteration, layer)
         handle = x.register_hook(trigger)
         with self._lock:
-            self._triggers.append(weakref.ref(trigger))
-            if x.grad_fn is None:  # a leaf the caller keeps (the layer returned its input): the hook
-                self._leaf_hooks.append(handle)  # would stay on it for good; taken off when the step ends
+            if x.grad_fn is not None:  # it lives as long as the step's graph: what _step_abandoned asks
+                self._triggers.append(weakref.ref(trigger))
+            else:  # a leaf the caller keeps (the layer returned its input): the hook would stay on it
+                self._leaf_hooks.append(handle)  # for good, so it is taken off when the step ends
         return x
 
     def _backward_started(self, iteration: int, layer: int) -> None:
@@ -246,8 +257,10 @@ class EngineEntries:
             if layer in self._backwards:
                 return  # a second backward through the same graph
             if self.schedule.expects_reload(layer) and self.layer_state[layer] != LayerState.RELOADING:
-                raise RuntimeError(f"{self.schedule.describe(layer)}: the backward of layer {layer} started, "
-                                   f"but the layer {self.layer_state[layer].value}")
+                error = RuntimeError(f"{self.schedule.describe(layer)}: the backward of layer {layer} started, "
+                                     f"but the layer {self.layer_state[layer].value}{self._misaligned_hint()}")
+                self._abort()  # the backward fails: nothing of this step is any good
+                raise error
             if not self._backward_seen:
                 self._check_iteration_shape()
                 self._entries_since_backward = 0
@@ -259,12 +272,28 @@ class EngineEntries:
             self.resident_trace.append(("backward", layer, self.resident_bytes))
             self._note_phase("backward", layer, ready if waited else None)
 
+    def _step_begins_again(self) -> None:
+        """The caller knows that a new step begins (``offload_layers``: the layer that began the last
+        step is called again), so a step still under way failed part-way, its graph perhaps held
+        (a kept exception): it ends here, and what it offloaded stays readable on the host."""
+        with self._lock:
+            if self._inside is None and 0 < self._entered < self.model_layers and not self._backward_seen:
+                self._new_iteration()
+
     def _step_abandoned(self) -> bool:
-        """Whether the current step's graph was dropped (some layer's output died before its backward)
-        and nothing of it waits for a backward any more: the step failed between two layers."""
-        if not self._graph_dropped:
+        """Whether the current step's graph was dropped before its backward (a layer's output, or a saved
+        tensor, died unused) and nothing of it waits for a backward any more: the step failed between
+        two layers. (A graph someone still holds, a kept exception's frames say, is not over yet.)"""
+        if not self._graph_dropped or self.live_views:
             return False
         return not any((t := ref()) is not None and not t.fired for ref in self._triggers)
+
+    def _misaligned_hint(self) -> str:
+        if not self.continued_without_backward:
+            return ""
+        return (f" (this step began while the last one still waited for its backward: if one step enters the "
+                f"context more than model_layers={self.model_layers} times, raise model_layers to the entries per "
+                "step; if the last step failed and its graph is still held, reset() ends it)")
 
     def _remove_leaf_hooks(self) -> None:
         for handle in getattr(self, "_leaf_hooks", ()):

@@ -84,7 +84,8 @@ class HostBufferPool:
         self.limit_bytes = limit_bytes
         self._free: dict[int, list[HostBuffer]] = defaultdict(list)
         self._kept_for_graphs: list[HostBuffer] = []
-        self._lock = threading.Lock()
+        # reentrant: the garbage collector may free a graph (and give its buffers back) inside acquire()
+        self._lock = threading.RLock()
         self._iteration = 0
         #: Bytes of host memory the pool holds (lent out or free).
         self.held_bytes = 0

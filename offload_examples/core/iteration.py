@@ -9,6 +9,7 @@ into the next one.
 
 from __future__ import annotations
 
+from . import te_path
 from .layer_state import ALLOWED_FROM, LayerState
 
 __all__ = ["EngineIterations"]
@@ -22,14 +23,17 @@ class EngineIterations:
 
         The engine notices a failed step by itself: a failure inside the context abandons the step
         at once, and one between layers (or in the loss) drops the step's graph, which the hooks
-        ``sync`` placed see. Call it to start afresh when neither applies (a step that failed while
-        its graph is still held, layers whose outputs skip ``sync``). A backward of the abandoned
-        step raises a clear error instead of computing with freed memory.
+        ``sync`` placed and the offloaded tensors see. Call it to start afresh when the step's graph
+        is still held after it failed (a kept exception holds its frames, and so its tensors), or when
+        nothing of the failed step was offloaded or synced. A backward of the abandoned step raises a
+        clear error instead of computing with freed memory.
         """
         if self._inside is not None:
             raise RuntimeError("reset() was called inside the offload context; call it between steps")
         local = self._thread()
-        local.depth, local.last = 0, False  # an entry made under no_grad in this thread and never left
+        for _ in range(local.depth):  # entries made under no_grad in this thread and never left
+            te_path.switch_off()
+        local.depth, local.last = 0, False
         self._abort()
 
     def _new_iteration(self) -> None:
@@ -91,6 +95,6 @@ class EngineIterations:
         """The one place a layer changes state; an illegal move raises with the schedule's words."""
         state = self.layer_state[layer]
         if state not in ALLOWED_FROM[to]:
-            raise RuntimeError(f"{self.schedule.describe(layer)}: {why}, but layer {layer} {state.value} "
-                               "(if a step failed part-way and its graph is still held, reset() starts afresh)")
+            hint = self._misaligned_hint() or " (if a step failed part-way and its graph is still held, reset() ends it)"
+            raise RuntimeError(f"{self.schedule.describe(layer)}: {why}, but layer {layer} {state.value}{hint}")
         self.layer_state[layer] = to

@@ -3,11 +3,11 @@
 A tensor saved for backward is worth copying to the host only if dropping the engine's reference
 can give its GPU memory back. That is never so for
 
-- parameters, their views, autocast's casts of them, and what an op returns on their own memory
-  (the model or autocast's cache holds them anyway);
-- leaves that require grad and are no parameter (a layer's input made with ``requires_grad=True``,
-  a weight passed as a plain tensor): the graph's ``AccumulateGrad`` node holds each of them for
-  as long as the graph lives, so a copy would free nothing. Their casts and copies are activations;
+- parameters, and any other leaf that requires grad (a layer's input made with
+  ``requires_grad=True``, a weight passed as a plain tensor): the model holds the first, and the
+  graph's ``AccumulateGrad`` node holds each of them for as long as the graph lives, so a copy would
+  free nothing. Nor do their views, autocast's casts of them (its cache holds those), or what an op
+  returns on their own memory;
 - tensors marked with :func:`mark_not_offload` (or with Transformer Engine's own
   ``mark_not_offload``, which its modules use for the caches they keep), on another device, or
   too small to pay for a copy;
@@ -27,6 +27,7 @@ engine copies whole storages and would move the whole buffer for nothing.
 
 from __future__ import annotations
 
+import threading
 from typing import Iterable
 
 import torch
@@ -63,13 +64,8 @@ def _plain(x: torch.Tensor) -> bool:
     return (type(x) is torch.Tensor or type(x) is _Parameter) and not x.is_nested
 
 
-def _is_parameter(t: torch.Tensor) -> bool:
-    # The isinstance, a metaclass hook, is the slow part: a plain tensor is no Parameter.
-    return type(t) is not torch.Tensor and isinstance(t, _Parameter)
-
-
 def is_weight_like(t: torch.Tensor) -> bool:
-    """Parameters, their views, and autocast's casts of them (what the model holds anyway)."""
+    """Parameters, leaves that require grad, their views, and autocast's casts of them."""
     base = t._base
     if base is not None:
         if not _plain(base):  # a view of a nested tensor or a subclass: no weight of ours
@@ -78,23 +74,25 @@ def is_weight_like(t: torch.Tensor) -> bool:
         # views made inside a custom Function's forward carry requires_grad without a grad_fn,
         # yet their base is an activation.
         return is_weight_like(base)
-    if _is_parameter(t):  # even one written in place (a frozen cache filled from an activation has a grad_fn)
+    # A Parameter, even one written in place (a frozen cache filled from an activation has a grad_fn).
+    # The isinstance, a metaclass hook, is the slow part: a plain tensor is no Parameter.
+    if type(t) is not torch.Tensor and isinstance(t, _Parameter):
         return True
     fn = t.grad_fn
-    if fn is None:  # a leaf that is no Parameter: a layer's input, an activation like any other
-        return False
+    if fn is None:  # a leaf: held by its graph's AccumulateGrad node if it requires grad
+        return t.requires_grad
     # One walk over the op's inputs (this runs for every tensor autograd saves). An op that hands
-    # back its weights' own memory as a new tensor: Transformer Engine's fused QKV weight, a "no-op
-    # cat" of three parameters that sit side by side in one buffer. The parameters keep that memory;
-    # a copy would free nothing, and its reload would duplicate the weight. And autocast saves
-    # `weight.to(bf16)`: one input, a parameter, same shape, another dtype.
+    # back a leaf's own memory as a new tensor: Transformer Engine's fused QKV weight, a "no-op cat"
+    # of three parameters that sit side by side in one buffer. The leaves keep that memory; a copy
+    # would free nothing, and its reload would duplicate it. And autocast saves `weight.to(bf16)`:
+    # one input, a leaf that requires grad, same shape, another dtype, which autocast's cache holds.
     inputs, leaf, storage = 0, None, None
     for f, _ in fn.next_functions:
         if f is None:
             continue
         inputs += 1
-        if type(f) is not _AccumulateGrad or not _plain(v := f.variable) or not _is_parameter(v):
-            continue  # a leaf that is no weight, or a nested or subclass leaf, which has no storage to compare
+        if type(f) is not _AccumulateGrad or not _plain(v := f.variable):  # a nested or subclass leaf
+            continue  # has no storage to compare
         if storage is None:
             storage = t.untyped_storage().data_ptr()
         if v.untyped_storage().data_ptr() == storage:
@@ -124,10 +122,7 @@ def keep_reason(t: torch.Tensor, device: torch.device, min_bytes: int) -> str | 
     if t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():  # first: a sparse
         return "not a plain strided tensor"  # tensor has no storage for is_weight_like to compare
     if is_weight_like(t):
-        return "a parameter, or a view or cast of one"
-    memory = t if base is None else base  # a view is what made its memory
-    if memory.grad_fn is None and memory.requires_grad:
-        return "a leaf that requires grad (its graph holds it: a copy would free nothing)"
+        return "a parameter or a leaf that requires grad, or a view or cast of one (held anyway)"
     nbytes = t.untyped_storage().nbytes()
     if nbytes == 0 or nbytes < min_bytes:
         return "smaller than min_offload_bytes"
@@ -214,8 +209,7 @@ class ModuleSelection:
     """
 
     def __init__(self, modules: Iterable[torch.nn.Module]):
-        self.depth = 0
-        self._open: dict[int, int] = {}  # entries counted per module (a hook before ours may raise first)
+        self._local = threading.local()  # per thread: a no_grad pass in another thread is not inside
         self.modules = list(modules)
         if not self.modules or not all(isinstance(m, torch.nn.Module) for m in self.modules):
             raise TypeError("offload_modules expects one or more torch.nn.Module objects")
@@ -224,19 +218,30 @@ class ModuleSelection:
             self._handles.append(m.register_forward_pre_hook(self._entered))
             self._handles.append(m.register_forward_hook(self._left, always_call=True))
 
+    @property
+    def depth(self) -> int:
+        """How many chosen modules' forwards are open in this thread."""
+        return getattr(self._local, "depth", 0)
+
+    @property
+    def _open(self) -> dict[int, int]:  # entries counted per module (a hook before ours may raise first)
+        if not hasattr(self._local, "open"):
+            self._local.open, self._local.depth = {}, 0
+        return self._local.open
+
     def _entered(self, module: torch.nn.Module, args: object) -> None:
         self._open[id(module)] = self._open.get(id(module), 0) + 1
-        self.depth += 1
+        self._local.depth += 1
 
     def _left(self, module: torch.nn.Module, args: object, output: object) -> None:
         # ``always_call`` also runs this when a pre-hook before ours raised: only count what was counted
         if self._open.get(id(module), 0) > 0:
             self._open[id(module)] -= 1
-            self.depth -= 1
+            self._local.depth -= 1
 
     def reset(self) -> None:
-        """Forget any forward still open (a step failed inside a chosen module)."""
-        self.depth, self._open = 0, {}
+        """Forget any forward still open in this thread (a step failed inside a chosen module)."""
+        self._local.open, self._local.depth = {}, 0
 
     @property
     def active(self) -> bool:

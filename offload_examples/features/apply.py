@@ -29,6 +29,7 @@ save (see :meth:`~offload_examples.OffloadEngine.offload_modules`), and
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, Union
@@ -59,8 +60,9 @@ def find_layers(model: nn.Module, layers: LayerChoice) -> list[tuple[str, nn.Mod
     """The outermost submodules of ``model`` that ``layers`` chooses, in registration order.
 
     The model itself is never one of them (its layers are inside it), and a chosen module's own
-    submodules are not searched (a layer is never nested in another). The order is the order the
-    model registered them, which is the order a sequential model runs them.
+    submodules are not searched (a layer is never nested in another). A layer compiled on its own
+    (``torch.compile(layer)``) is chosen through its compiled wrapper, which is what the model calls.
+    The order is the order the model registered them, which is the order a sequential model runs them.
     """
     match, found = _matches(layers), []
     skip: list[str] = []
@@ -68,6 +70,9 @@ def find_layers(model: nn.Module, layers: LayerChoice) -> list[tuple[str, nn.Mod
         if not name or any(name.startswith(prefix + ".") for prefix in skip):
             continue
         if match(name, module):
+            if name.endswith("._orig_mod"):  # torch.compile's OptimizedModule around it
+                name = name[: -len("._orig_mod")]
+                module = model.get_submodule(name)
             found.append((name, module))
             skip.append(name)
     return found
@@ -78,26 +83,34 @@ def _first_tensor(output: Any) -> tuple[torch.Tensor, Callable[[torch.Tensor], A
     if isinstance(output, torch.Tensor):
         return output, lambda t: t
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0], lambda t: type(output)([t, *output[1:]])
+        make = getattr(type(output), "_make", type(output))  # a namedtuple takes its fields one by one
+        return output[0], lambda t: make([t, *output[1:]])
     raise TypeError(f"a chosen layer returned {type(output).__name__}; offload_layers needs a tensor, or a tuple "
                     "or list whose first element is the hidden state")
 
 
 @dataclass
 class OffloadedLayers:
-    """What :func:`offload_layers` did: the context it built, the layers it chose, and how to undo it."""
+    """What :func:`offload_layers` did: the context it built, the layers it chose, and how to undo it.
+
+    It holds the layers weakly: a model dropped without :meth:`remove` takes its layers, this handle
+    (unless kept) and the engine's pinned buffers with it.
+    """
 
     ctx: OffloadEngine
     sync: Callable[[torch.Tensor], torch.Tensor]
     names: list[str]
-    _layers: list[tuple[nn.Module, type]] = field(default_factory=list, repr=False)
+    _layers: list[tuple[weakref.ref, type]] = field(default_factory=list, repr=False)
     _ran: dict[int, int] = field(default_factory=dict, repr=False)  # id(layer) -> the iteration it last entered
-    _first: nn.Module | None = field(default=None, repr=False)  # the layer that began the current step
+    _first: int | None = field(default=None, repr=False)  # id of the layer that began the current step
 
     def remove(self) -> None:
         """Take the context off every layer (their classes back, the submodules' hooks off); the model
         runs as before."""
-        for layer, original in self._layers:
+        for ref, original in self._layers:
+            layer = ref()
+            if layer is None:
+                continue
             _CHOSEN.pop(layer, None)
             if type(layer) is _WRAPPERS.get(original):  # a class swapped again on top of ours stays: it passes through
                 layer.__class__ = original
@@ -107,9 +120,11 @@ class OffloadedLayers:
     def _call(self, layer: nn.Module, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """One call of a chosen layer: inside the context, its output through ``sync``."""
         ctx = self.ctx
+        if id(layer) == self._first and not ctx.schedule.interleaved and torch.is_grad_enabled():
+            ctx._step_begins_again()  # the layer that began the step begins the next (the last one failed)
         with ctx:
             entry = ctx.open_entry  # None: a pass-through (no_grad, or a recomputation in backward)
-            if entry is not None:
+            if entry is not None and not ctx.schedule.interleaved:  # (with micro-batches a layer runs several times)
                 self._check_once_per_step(layer, *entry)
             output = call(*args, **kwargs)
             if entry is None:
@@ -124,20 +139,27 @@ class OffloadedLayers:
         waits for its backward is a second call too, unless it is the layer that began the last step
         (a forward whose output was kept, then the next step).
         """
-        first = entry == 0 and (not self.ctx.continued_without_backward or self._first is layer)
+        first = entry == 0 and (not self.ctx.continued_without_backward or self._first == id(layer))
         if self._ran.get(id(layer)) == iteration or (entry == 0 and not first):
-            name = self.names[next(i for i, (m, _) in enumerate(self._layers) if m is layer)]
+            name = next(n for n, (ref, _) in zip(self.names, self._layers) if ref() is layer)
             raise RuntimeError(f"layer {name!r} ran twice in one forward of the model; offload_layers needs each "
                                "chosen layer called once per step (put the context around the calls by hand otherwise)")
         self._ran[id(layer)] = iteration
         if entry == 0:
-            self._first = layer
+            self._first = id(layer)
 
 
-# The layers offload_layers chose, each to its handle (weakly: a layer dropped, or deep-copied, passes through).
+# The layers offload_layers chose, each to its handle. Weak keys, and the handle holds the layers weakly
+# too: a layer dropped takes its entry with it; a copy of one (deepcopy) gets its original class back.
 _CHOSEN: weakref.WeakKeyDictionary[nn.Module, OffloadedLayers] = weakref.WeakKeyDictionary()
 _WRAPPERS: dict[type, type] = {}  # a layer class -> its subclass that enters the context around __call__
 _WRAPPED: dict[type, type] = {}  # and back
+_CALLING = threading.local()  # ids of the layers whose call is inside our __call__ now, in this thread
+
+
+def _unwrapped(cls: type) -> nn.Module:
+    """A layer of ``cls`` made without ``__init__``: pickle and ``copy`` then set its state."""
+    return cls.__new__(cls)
 
 
 def _wrapper_class(cls: type) -> type:
@@ -147,10 +169,22 @@ def _wrapper_class(cls: type) -> type:
         def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             call = super(wrapper, self).__call__
             handle = _CHOSEN.get(self)
-            return call(*args, **kwargs) if handle is None else handle._call(self, call, args, kwargs)
+            calling = _CALLING.__dict__.setdefault("ids", set())
+            if handle is None or id(self) in calling:  # not chosen, or our class twice in its hierarchy
+                return call(*args, **kwargs)
+            calling.add(id(self))
+            try:
+                return handle._call(self, call, args, kwargs)
+            finally:
+                calling.discard(id(self))
 
-        wrapper = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
-                                              "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+        def __reduce_ex__(self: nn.Module, protocol: int) -> Any:
+            # pickled and copied as the class it was: the swap belongs to this process's offload_layers
+            return _unwrapped, (cls,), self.__getstate__()
+
+        wrapper = type(cls.__name__, (cls,), {"__call__": __call__, "__reduce_ex__": __reduce_ex__,
+                                              "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                              "__doc__": cls.__doc__})
         _WRAPPERS[cls], _WRAPPED[wrapper] = wrapper, cls
     return wrapper
 
@@ -189,8 +223,9 @@ def offload_layers(model: nn.Module, layers: LayerChoice, num_layers: int, *,
     if not found:
         raise ValueError(f"no submodule of {type(model).__name__} matches layers={layers!r}")
     for name, layer in found:
-        if layer in _CHOSEN:
-            raise ValueError(f"layer {name!r} is offloaded by another offload_layers already: call its remove() first")
+        if any(m in _CHOSEN for m in layer.modules()) or any(layer in set(m.modules()) for m in list(_CHOSEN)):
+            raise ValueError(f"layer {name!r} (or a module in it, or around it) is offloaded by another offload_layers "
+                             "already: call its remove() first (contexts cannot be nested)")
     chosen = []
     if modules is not None:
         for name, layer in found:
@@ -208,6 +243,6 @@ def offload_layers(model: nn.Module, layers: LayerChoice, num_layers: int, *,
         if original in _WRAPPED:  # a copy of a layer chosen before (deepcopy keeps the class): unwrap first
             original = _WRAPPED[original]
         layer.__class__ = _wrapper_class(original)
-        handle._layers.append((layer, original))
+        handle._layers.append((weakref.ref(layer), original))
         _CHOSEN[layer] = handle
     return handle

@@ -432,6 +432,8 @@ def _run_rank(rank: int, config: FsdpConfig, device: torch.device, verbose: bool
         "theoretical_saving_bytes": theory.saving,
         "saving_ratio": None,
         "offloaded_bytes": sum(s.offloaded_bytes for s in stats),
+        # offloaded bytes something else still held at their release (the rank's input batch): no saving
+        "held_bytes": sum(s.held_bytes for s in stats),
         # what the schedule offloads: every candidate storage of the offloaded layers
         "expected_offloaded_bytes": sum(s.candidate_bytes for j, s in enumerate(stats) if off["offloaded"][j]),
         "offloaded_bytes_per_layer": [s.offloaded_bytes for s in stats],
