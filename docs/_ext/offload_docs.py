@@ -243,12 +243,12 @@ def _napoleon_without_attributes(app) -> None:
 #   {stored}`concepts:"d2h pageable"`                           a number a notebook printed: "13.5 GB/s"
 #
 # A source may name a part of a JSON file ("docs/evidence/h100-bench/bench.json#models[A]" for model
-# A's results).
-# A JSON path is keys and list positions separated by dots; ``[...]`` picks the one element of a
-# list whose fields match (``key=value``, or a bare value that any field equals), or a key of a
-# dict. A text source (a notebook's outputs, a Markdown or text file) takes a quoted label that
-# occurs once in it and gives the first number after the label on its line, as printed
-# (``"label"#2``: the second). Anything that does not resolve to exactly one value is an error.
+# A's results). A JSON path is keys and list positions separated by dots; ``[...]`` picks the one
+# element of a list whose fields match (``key=value``, or a bare value that any field equals; ``\,``
+# is a comma inside a value), or a key of a dict. A text source (a notebook's outputs, a Markdown or
+# text file) takes a quoted label that occurs once in it and gives the first number after the label
+# on its line, as printed (``"label"#2``: the second). Anything that does not resolve to exactly one
+# value is an error.
 
 class StoredValueError(ValueError):
     """A ``{stored}`` reference that does not name exactly one value of its source."""
@@ -309,7 +309,8 @@ def _scalar_equal(field: Any, wanted: str) -> bool:
 def _select(items: list, selector: str, where: str) -> Any:
     if re.fullmatch(r"-?\d+", selector):
         return items[int(selector)]
-    tests = [part.strip().partition("=") for part in selector.split(",")]
+    # fields are separated by commas; "\\," is a comma inside a value ("no offload\\, TE's default path")
+    tests = [part.replace("\\,", ",").strip().partition("=") for part in re.split(r"(?<!\\),", selector)]
     found = [item for item in items if isinstance(item, dict) and all(
         _scalar_equal(item.get(k), v) if eq else any(_scalar_equal(f, k) for f in item.values())
         for k, eq, v in tests)]
