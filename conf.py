@@ -39,37 +39,37 @@ exclude_patterns = ["_build", "**/.ipynb_checkpoints", "docs/snippets/**", "docs
 # numbers the prose writes by itself). A notebook's numbers are what its stored outputs printed.
 # Each folder of docs/evidence/ holds one body of measurements, named by what and where it measures,
 # with a README (command, commit, GPU, software, date): a new run replaces the folder's files, and
-# every page that quotes them through these keys follows.
-EVIDENCE = "docs/evidence"
+# every page that quotes them through these keys follows. (Plain strings: the tests read this dict
+# without running conf.py.)
 stored_sources = {
     # the full benchmark on one H100: every strategy, four models, 20 layers (docs/benchmarks.md)
-    "bench": f"{EVIDENCE}/h100-bench/bench.json",
-    "model-A": f"{EVIDENCE}/h100-bench/bench.json#models[A]",  # Transformer Engine's layers
-    "model-A-torch": f"{EVIDENCE}/h100-bench/bench.json#models[A-torch]",  # model A's shapes, PyTorch's layers
-    "model-A-wide": f"{EVIDENCE}/h100-bench/bench.json#models[A-wide]",  # TE layers, twice the width, half the batch
+    "bench": "docs/evidence/h100-bench/bench.json",
+    "model-A": "docs/evidence/h100-bench/bench.json#models[A]",  # Transformer Engine's layers
+    "model-A-torch": "docs/evidence/h100-bench/bench.json#models[A-torch]",  # model A's shapes, PyTorch's layers
+    "model-A-wide": "docs/evidence/h100-bench/bench.json#models[A-wide]",  # TE layers, twice the width, half the batch
     # output and gradients of one step against a plain step, bit for bit: four layers of models A and A-torch
-    "grads-A": f"{EVIDENCE}/h100-bench/bench_grads.json#models[A]",
-    "grads-A-torch": f"{EVIDENCE}/h100-bench/bench_grads.json#models[A-torch]",
+    "grads-A": "docs/evidence/h100-bench/bench_grads.json#models[A]",
+    "grads-A-torch": "docs/evidence/h100-bench/bench_grads.json#models[A-torch]",
     # torchtune's gradients against a plain step, with and without deterministic kernels
-    "torchtune-grads": f"{EVIDENCE}/h100-bench/torchtune_probe.txt",
-    "torchtune-grads-det": f"{EVIDENCE}/h100-bench/torchtune_probe_deterministic.txt",
+    "torchtune-grads": "docs/evidence/h100-bench/torchtune_probe.txt",
+    "torchtune-grads-det": "docs/evidence/h100-bench/torchtune_probe_deterministic.txt",
     # model A (TE layers, 20 layers): the engine against Transformer Engine's offload on one H200
-    "h200-bench": f"{EVIDENCE}/h200-te-bench/bench.json",
-    "h200-model-A": f"{EVIDENCE}/h200-te-bench/bench.json#models[A]",
+    "h200-bench": "docs/evidence/h200-te-bench/bench.json",
+    "h200-model-A": "docs/evidence/h200-te-bench/bench.json#models[A]",
     # the planner against pure offloading and pure recomputation, three models of 12 layers, one H100
-    "planner-bench": f"{EVIDENCE}/h100-planner-bench/bench.json",
+    "planner-bench": "docs/evidence/h100-planner-bench/bench.json",
     # where the host time goes on Transformer Engine's launch-bound layers (model A, one H100)
-    "te-forward": f"{EVIDENCE}/h100-te-host-time/diag25.json#summary",  # a step's forward, variant by variant
-    "te-forward-layers": f"{EVIDENCE}/h100-te-host-time/diag25_layers.json",  # the same, layer by layer
-    "te-gc": f"{EVIDENCE}/h100-te-host-time/diag28.json",  # Python's garbage collector over 150 steps
-    "reload-order": f"{EVIDENCE}/h100-te-host-time/diag23.json#results",  # early_first_reload, 12 layers
+    "te-forward": "docs/evidence/h100-te-host-time/diag25.json#summary",  # a step's forward, variant by variant
+    "te-forward-layers": "docs/evidence/h100-te-host-time/diag25_layers.json",  # the same, layer by layer
+    "te-gc": "docs/evidence/h100-te-host-time/diag28.json",  # Python's garbage collector over 150 steps
+    "reload-order": "docs/evidence/h100-te-host-time/diag23.json#results",  # early_first_reload, 12 layers
     # the GPU test suite on one H100, with and without Transformer Engine (docs/reliability.md)
-    "gpu-tests-te": f"{EVIDENCE}/h100-gpu-tests/gpu_suite_te.log",
-    "gpu-tests-no-te": f"{EVIDENCE}/h100-gpu-tests/gpu_suite_no_te.log",
+    "gpu-tests-te": "docs/evidence/h100-gpu-tests/gpu_suite_te.log",
+    "gpu-tests-no-te": "docs/evidence/h100-gpu-tests/gpu_suite_no_te.log",
     # two H200s of one host, NCCL: the two-stage pipeline, FSDP2 on two ranks, the two-GPU tests
-    "pipeline-2gpu": f"{EVIDENCE}/2xh200-nccl/pipeline_dist_nccl.json",
-    "fsdp-2gpu": f"{EVIDENCE}/2xh200-nccl/fsdp_2gpu_nccl.json",
-    "tests-2gpu": f"{EVIDENCE}/2xh200-nccl/tests_2gpu.log",
+    "pipeline-2gpu": "docs/evidence/2xh200-nccl/pipeline_dist_nccl.json",
+    "fsdp-2gpu": "docs/evidence/2xh200-nccl/fsdp_2gpu_nccl.json",
+    "tests-2gpu": "docs/evidence/2xh200-nccl/tests_2gpu.log",
     # notebooks: their stored outputs
     "concepts": "notebooks/01_concepts.ipynb",  # copies, bandwidths, pinning
     "fsdp-notebook": "notebooks/08_fsdp.ipynb",  # FSDP2 and DDP on one H100
