@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from html import unescape
 from pathlib import Path
 from urllib.parse import urljoin, urldefrag, urlparse
 from urllib.request import urlopen
@@ -49,7 +50,7 @@ def site(build) -> Path:
 
 def _source_pages() -> list[str]:
     """Every page the site is built from, as its path without suffix (``docs/api/engine``)."""
-    skipped = ("snippets", "bench", "runs")  # included files and data, not pages (conf.py's exclude_patterns)
+    skipped = ("snippets", "evidence")  # included files and data, not pages (conf.py's exclude_patterns)
     docs = [p for p in (ROOT / "docs").rglob("*.md")
             if not any(part.startswith("_") or part in skipped for part in p.relative_to(ROOT / "docs").parts)]
     return sorted([p.relative_to(ROOT).with_suffix("").as_posix() for p in docs]
@@ -63,6 +64,185 @@ def test_docs_build_without_warnings(build):
     assert proc.returncode == 0 and not warnings, "\n".join(warnings[:50]) or proc.stderr[-5000:]
     for page in _source_pages():
         assert (site / f"{page}.html").is_file(), page
+
+
+# ------------------------------------------------------------------ the site speaks of the product
+#: The word the pages, sources and tests must not use for a stretch of work (spelled in two parts so
+#: that this file does not contain it).
+WORK_WORD = "sess" + "ion"
+#: Lines that may keep it: a genuine technical term (pytest's fixture scope).
+TECHNICAL = (re.compile(r"""scope=["']""" + WORK_WORD + r"""["']"""),)
+#: Lines of files outside the documentation that still use it, each until that file changes; an entry
+#: whose line is gone fails, so the list only shrinks.
+KNOWN = {
+    ("offload_examples/core/te_path.py", "docs/runs/2026-11-24-h100-" + WORK_WORD + "8"),
+    ("tests/test_planner.py", WORK_WORD + " 11"),
+}
+#: The same for the rendered pages: text an API page takes from such a file's docstring.
+KNOWN_RENDERED = {("docs/api/engine.html", "docs/runs/2026-11-24-h100-" + WORK_WORD + "8")}
+#: Where the word is looked for: the site's sources, the package, the tests, the README.
+SOURCES = ("docs", "notebooks", "offload_examples", "tests", "conf.py", "README.md")
+#: A commit id as prose would quote one: 7 to 40 hex digits, at least one digit and one letter.
+COMMIT = re.compile(r"(?<![\w./#-])(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}(?![\w/-])")
+
+
+def _source_files() -> list[Path]:
+    files = []
+    for name in SOURCES:
+        path = ROOT / name
+        files += [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()
+                                                 and p.suffix in (".py", ".md", ".ipynb", ".txt", ".json", ".log", ".css")]
+    return sorted(f for f in files if "__pycache__" not in f.parts)
+
+
+def test_sources_speak_of_the_product():
+    """No page, notebook (sources and stored outputs), evidence file, module, test or README speaks
+    of a stretch of work: the site says what is true now."""
+    found, known_seen = [], set()
+    for path in _source_files():
+        rel = path.relative_to(ROOT).as_posix()
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if WORK_WORD not in line.lower() or any(t.search(line) for t in TECHNICAL):
+                continue
+            known = {(f, text) for f, text in KNOWN if f == rel and text in line}
+            if known:
+                known_seen |= known
+                continue
+            found.append(f"{rel}:{number}: {line.strip()[:120]}")
+    assert not found, "\n".join(found)
+    assert known_seen == KNOWN, f"KNOWN lists lines that are gone: {sorted(KNOWN - known_seen)}"
+
+
+def _page_texts(site: Path) -> dict[str, str]:
+    """The text a reader sees on every page of the built site (the article, scripts and styles left out)."""
+    texts = {}
+    for page in sorted(site.rglob("*.html")):
+        rel = page.relative_to(site).as_posix()
+        if rel.startswith(("_", ".")) or rel in ("index.html", "search.html", "genindex.html", "py-modindex.html"):
+            continue
+        html = page.read_text()
+        body = re.search(r"<article[^>]*>(.*)</article>", html, re.S)
+        html = re.sub(r"<(script|style)[^>]*>.*?</\1>", " ", body.group(1) if body else html, flags=re.S)
+        texts[rel] = re.sub(r"\s+", " ", unescape(re.sub(r"<[^>]+>", " ", html)))
+    return texts
+
+
+def test_pages_do_not_speak_of_work_history(site):
+    """The rendered text of every page: no stretches of work and no commit ids (those belong in the
+    evidence folders' READMEs)."""
+    texts = _page_texts(site)
+    assert len(texts) >= len(_source_pages())
+    found, known_seen = [], set()
+    for page, text in texts.items():
+        for m in (*re.finditer(WORK_WORD, text, re.I), *COMMIT.finditer(text)):
+            around = text[max(0, m.start() - 60):m.end() + 60]
+            known = {(p, t) for p, t in KNOWN_RENDERED if p == page and t in around}
+            if known:
+                known_seen |= known
+            else:
+                found.append(f"{page}: ...{around}...")
+    assert not found, "\n".join(found)
+    assert known_seen == KNOWN_RENDERED, f"KNOWN_RENDERED lists text that is gone: {KNOWN_RENDERED - known_seen}"
+
+
+def test_commit_pattern():
+    assert [m.group(0) for m in COMMIT.finditer("at caeb103, fb08e7f and 0123abcd; not 1234567, cafebabe, 1.5e10")] \
+        == ["caeb103", "fb08e7f", "0123abcd"]
+
+
+# --------------------------------------------------------------------------------- the evidence
+EVIDENCE = ROOT / "docs" / "evidence"
+#: What the evidence may weigh in all: it travels with every run of the working tree.
+EVIDENCE_BYTES = 3 * 2**20
+
+
+def _stored_sources() -> dict[str, str]:
+    for node in ast.parse((ROOT / "conf.py").read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "stored_sources" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError("conf.py defines no stored_sources")
+
+
+def _referring_texts() -> dict[str, str]:
+    """Every text that may refer to an evidence file: conf.py's stored sources, the pages and the
+    notebooks' cells (their sources)."""
+    texts = {f"stored_sources[{k!r}]": v for k, v in _stored_sources().items()}
+    for page in (ROOT / "docs").rglob("*.md"):
+        if EVIDENCE not in page.parents:
+            texts[page.relative_to(ROOT).as_posix()] = page.read_text()
+    for nb in (ROOT / "notebooks").glob("*.ipynb"):
+        texts[nb.relative_to(ROOT).as_posix()] = "\n".join("".join(c["source"]) for c in json.loads(nb.read_text())["cells"])
+    return texts
+
+
+def test_every_stored_source_and_evidence_path_exists():
+    """A ``{stored}`` key or a page naming an evidence file that is not there fails."""
+    missing = [f"stored_sources[{k!r}]: {v}" for k, v in _stored_sources().items()
+               if not (ROOT / v.partition("#")[0]).is_file()]
+    for where, text in _referring_texts().items():
+        for m in re.finditer(r"evidence/([\w.-]+(?:/[\w.-]+)*)", text):
+            if not (EVIDENCE / m.group(1).rstrip(".")).exists():
+                missing.append(f"{where}: evidence/{m.group(1)}")
+    assert not missing, "\n".join(missing)
+
+
+def test_every_evidence_file_is_quoted_or_shown():
+    """Each evidence folder holds a README (command, commit, GPU, software, date) and only files that
+    a page, a notebook or a ``{stored}`` key refers to; all of it together stays small."""
+    texts = "\n".join(_referring_texts().values())
+    unused, readmes = [], []
+    for path in sorted(p for p in EVIDENCE.rglob("*") if p.is_file()):
+        rel = path.relative_to(EVIDENCE).as_posix()
+        if path.name == "README.md":
+            readme = path.read_text().lower()
+            readmes.append(path.parent.name)
+            absent = [w for w in ("gpu", "commit", "date", "torch") if w not in readme]
+            absent += [] if re.search(r"`[^`]*\b(python|pytest)\b", readme) else ["a command"]
+            assert not absent, f"evidence/{rel} does not say: {absent}"
+        elif f"evidence/{rel}" not in texts:
+            unused.append(rel)
+    assert not unused, f"evidence no page, notebook or stored source refers to: {unused}"
+    folders = sorted(p.name for p in EVIDENCE.iterdir() if p.is_dir())
+    assert readmes and set(readmes) == set(folders), f"folders without a README: {set(folders) - set(readmes)}"
+    total = sum(p.stat().st_size for p in EVIDENCE.rglob("*") if p.is_file())
+    assert total <= EVIDENCE_BYTES, f"docs/evidence holds {total / 2**20:.1f} MiB, more than {EVIDENCE_BYTES / 2**20:.0f}"
+
+
+# ------------------------------------------------------------------------------ stored outputs
+#: What no stored output may show: machine paths, other libraries' warnings.
+NOT_IN_OUTPUTS = re.compile(r"/tmp/|/root/|/home/|/opt/|site-packages|\b(?:Runtime|User|Deprecation|Future)Warning\b|\bJax\b")
+
+
+def test_stored_outputs_hold_no_machine_paths_or_third_party_warnings():
+    found = []
+    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        for i, cell in enumerate(json.loads(nb.read_text())["cells"]):
+            for out in cell.get("outputs", []):
+                text = out.get("text") or out.get("data", {}).get("text/plain") or ""
+                for line in ("".join(text) if isinstance(text, list) else text).splitlines():
+                    if NOT_IN_OUTPUTS.search(line):
+                        found.append(f"{nb.name}, cell {i}: {line[:120]}")
+    assert not found, "\n".join(found)
+
+
+def test_the_runner_cleans_outputs(tmp_path):
+    """What the notebook runner keeps of a stream: this package's warnings (their paths relative),
+    nothing of other libraries' warnings, file names instead of temporary paths."""
+    from offload_examples.instruments.notebooks import clean_text
+
+    root = tmp_path / "repo"
+    text = (f"/site/transformer_engine/__init__.py:130: RuntimeWarning: Detected a Jax installation\n"
+            f"  warnings.warn(\n"
+            f"step 1 done\n"
+            f"{root}/offload_examples/core/engine.py:12: OffloadWarning: kept a tensor\n"
+            f"  warnings.warn(\n"
+            f"/venv/lib/python3.12/site-packages/torch/profiler/profiler.py:224: UserWarning: cycles\n"
+            f"  _warn_once(\n"
+            f"wrote /tmp/tmpbugwj_cd/dist.json\n")
+    assert clean_text(text, root) == ("step 1 done\n"
+                                      "offload_examples/core/engine.py:12: OffloadWarning: kept a tensor\n"
+                                      "  warnings.warn(\n"
+                                      "wrote dist.json\n")
 
 
 def test_docs_entry_page_at_the_root(site):

@@ -51,7 +51,7 @@ def _stored_sources() -> dict[str, str]:
 
 
 def _pages() -> list[str]:
-    skipped = ("snippets", "bench", "runs")
+    skipped = ("snippets", "evidence")
     return sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md")
                   if not any(part.startswith("_") or part in skipped for part in p.relative_to(ROOT / "docs").parts))
 
@@ -73,7 +73,7 @@ class Data:
 
     @property
     def bench(self) -> dict:
-        return self.load("docs/bench/bench.json")
+        return self.load(BENCH)
 
     def model(self, name: str) -> dict:
         return next(m for m in self.bench["models"] if m["model"] == name)
@@ -111,6 +111,12 @@ class Data:
         return sum(e["end"] - e["start"] for e in self.model("A")["timelines"][timeline] if e["lane"] == lane)
 
 
+EVIDENCE = "docs/evidence"
+BENCH = f"{EVIDENCE}/h100-bench/bench.json"
+PLANNER_BENCH = f"{EVIDENCE}/h100-planner-bench/bench.json"
+TE_HOST_TIME = f"{EVIDENCE}/h100-te-host-time"
+
+
 def _f(value: float, decimals: int = 0) -> str:
     return f"{value:.{decimals}f}"
 
@@ -124,20 +130,8 @@ def _claim(holds: bool, numbers: tuple[str, ...], why: str) -> tuple[str, ...]:
 
 
 def _bench_copy_threshold(d: Data) -> tuple[str, ...]:
-    (ratio,) = set(re.findall(r"copy bound > ([\d.]+) x baseline", d.load("docs/bench/bench.md")))
+    (ratio,) = set(re.findall(r"copy bound > ([\d.]+) x baseline", d.load(f"{EVIDENCE}/h100-bench/bench.md")))
     return (_f(100 * (float(ratio) - 1)),)
-
-
-def _missed_k(d: Data) -> tuple[str, ...]:
-    missed = [t for t in d.bench["targets"] if "overhead" in t["target"] and not t["met"]]
-    return (re.search(r"k=(\d+)", missed[0]["target"]).group(1),) if missed else ("<every overhead target met>",)
-
-
-def _bound_equals_baseline(d: Data) -> tuple[str, ...]:
-    k = _missed_k(d)[0]
-    bound = d.model("A")["predicted"]["bound_ms"].get(k)
-    baseline = d.run("A", "no offload", 0)["step_ms"]
-    return _claim(bound is not None and abs(bound / baseline - 1) < 1e-3, (k,), f"bound {bound} vs {baseline} ms")
 
 
 def _checkpoint_keeps(d: Data) -> tuple[str, ...]:
@@ -221,10 +215,10 @@ def _few_percent(d: Data) -> tuple[str, ...]:
                   f"overheads at k = 2, 3: {costs}")
 
 
-def _diag25_threshold_mib(d: Data) -> tuple[str, ...]:
-    """The threshold diag25's ``engine_1mib`` variant ran with, in MiB (from the stored script)."""
-    script = (ROOT / "docs/runs/2026-11-24-h100-session14/diag25.py").read_text()
-    return (_f(2 ** int(re.search(r"min_offload_bytes=2 \*\* (\d+)", script).group(1)) / 2**20),)
+def _engine_1mib_threshold(d: Data) -> tuple[str, ...]:
+    """The ``min_offload_bytes`` of the ``engine_1mib`` variant, in MiB, as its evidence README gives it."""
+    (mib,) = re.findall(r"`min_offload_bytes` of (\d+) MiB \(`engine_1mib`\)", d.load(f"{TE_HOST_TIME}/README.md"))
+    return (mib,)
 
 
 def _code_default_kib(d: Data) -> tuple[str, ...]:
@@ -250,7 +244,7 @@ def _optimizer_theory(d: Data) -> tuple[str, ...]:
     return tuple(shares) if len(shares) == 1 else (f"<differs: {sorted(shares)}>",)
 
 
-RUNS_H100 = "docs/runs/2026-11-23-h100"
+GPU_TESTS = f"{EVIDENCE}/h100-gpu-tests"
 
 
 def _test_code(rel: str, pattern: str) -> str:
@@ -259,10 +253,19 @@ def _test_code(rel: str, pattern: str) -> str:
     return found
 
 
+def _summary(text: str) -> dict[str, int]:
+    """pytest's last line: ``4 failed, 33 passed, 1 skipped, ...`` as {outcome: count}."""
+    (line,) = re.findall(r"^(?:=+ )?(?:\d+ \w+, )*\d+ \w+ in [\d.]+s.*$", text, re.M)
+    return {outcome: int(n) for n, outcome in re.findall(r"(\d+) (\w+)", line.split(" in ")[0].strip("= "))}
+
+
 def _soak_gpu_drift(d: Data) -> tuple[str, ...]:
+    """The drift test_soak_gpu asserts; the claim that it holds on a GPU: the suite with TE ran it and
+    nothing failed."""
     asserted = _test_code("tests/test_reliability.py", r'assert max\(map\(abs, report\["drift"\]\)\) == (\d+)')
-    passed = "PASSED tests/test_reliability.py::test_soak_gpu" in d.load(f"{RUNS_H100}/gpu_tests_with_te.txt")
-    return _claim(passed, (asserted,), "gpu_tests_with_te.txt does not show test_soak_gpu passing")
+    counts = _summary(d.load(f"{GPU_TESTS}/gpu_suite_te.log"))
+    return _claim(not counts.get("failed") and counts.get("passed", 0) > 0, (asserted,),
+                  f"gpu_suite_te.log: {counts}")
 
 
 def _te_gpu_bars(d: Data) -> tuple[str, ...]:
@@ -271,53 +274,29 @@ def _te_gpu_bars(d: Data) -> tuple[str, ...]:
     return _f(100 * held), _f(100 * within)
 
 
-def _summary(text: str) -> dict[str, int]:
-    """pytest's last line: ``4 failed, 33 passed, 1 skipped, ...`` as {outcome: count}."""
-    (line,) = re.findall(r"^(?:\d+ \w+, )*\d+ \w+ in [\d.]+s.*$", text, re.M)
-    return {outcome: int(n) for n, outcome in re.findall(r"(\d+) (\w+)", line.split(" in ")[0])}
+def _suite(rel: str, *outcomes: str) -> Callable[[Data], tuple[str, ...]]:
+    """The counts of ``outcomes`` in a stored pytest log's summary line; no test may have failed."""
+    def counts(d: Data) -> tuple[str, ...]:
+        found = _summary(d.load(rel))
+        return _claim(not found.get("failed") and not found.get("error"),
+                      tuple(str(found.get(o, 0)) for o in outcomes), f"{rel}: {found}")
+    return counts
 
 
-def _gpu_without_te(d: Data) -> tuple[str, ...]:
-    counts = _summary(d.load(f"{RUNS_H100}/gpu_tests_without_te.txt"))
-    return str(counts["passed"]), str(counts["skipped"])
-
-
-def _te_runs(d: Data) -> list[str]:
-    """The log of each of the three runs in one process (gpu_tests_with_te.txt, up to ``RUN n exit``)."""
-    return re.split(r"^RUN \d+ exit \d+$", d.load(f"{RUNS_H100}/gpu_tests_with_te.txt"), flags=re.M)[:-1]
-
-
-def _gpu_with_te(d: Data) -> tuple[str, ...]:
-    runs = _te_runs(d)
-    counts = {tuple((k, _summary(r).get(k, 0)) for k in ("passed", "failed", "skipped")) for r in runs}
-    failed = {frozenset(re.findall(r"^FAILED (\S+)", r, re.M)) for r in runs}
-    if len(counts) != 1 or len(failed) != 1:
-        return (f"<runs differ: {counts}, {failed}>",)
-    (c,), (f,) = [dict(x) for x in counts], failed
-    return WORDS[len(runs)], str(c["passed"]), str(c["failed"]), str(c["skipped"]), WORDS[len(f)]
-
-
-def _te_grad_difference(d: Data) -> tuple[str, ...]:
-    diffs = {float(x) for x in re.findall(r"AssertionError: ([\d.e-]+)$", d.load(f"{RUNS_H100}/gpu_tests_with_te.txt"), re.M)}
-    mantissa, exponent = f"{max(diffs):.1e}".split("e-")
-    return mantissa, str(int(exponent))
-
-
-def _bench_short_run(d: Data) -> tuple[str, ...]:
-    found = set(re.findall(r"^E +assert ([\d.]+) >= ([\d.]+)$", d.load(f"{RUNS_H100}/gpu_tests_with_te.txt"), re.M))
-    if len(found) != 1:
-        return (f"<runs differ: {sorted(found)}>",)
-    ((measured, bar),) = found
-    return _f(100 * float(bar)), _f(100 * float(measured), 1)
-
-
-def _bench_te_bar(d: Data) -> tuple[str, ...]:
-    return (_f(100 * float(_test_code("tests/test_bench.py", r'>= \(([\d.]+) if model\["layer_kind"\] == TE_LAYER'))),)
+def _planner_checks(d: Data) -> tuple[str, ...]:
+    """Plans that met every check, of all; the lowest and highest step error; the largest peak error."""
+    checks = d.load(PLANNER_BENCH)["planner_checks"]
+    steps = [c["step_error"] for c in checks]
+    return (str(sum(bool(c["met"]) for c in checks)), str(len(checks)), f"{100 * min(steps):+.1f}",
+            f"{100 * max(steps):+.1f}", _f(100 * max(abs(c["peak_error"]) for c in checks), 1))
 
 
 #: The model of the hardware page's worked example: model A's shapes with PyTorch's layers, whose
 #: forward the GPU paces (model A itself has Transformer Engine's layers, whose forward the host paces).
 EXAMPLE = "A-torch"
+
+#: The bench's row of Transformer Engine's layers on their default path, without offloading.
+NO_OFFLOAD_DEFAULT_PATH = "no offload, TE's default path"
 
 #: The bench's ``layer_kind`` of a Transformer Engine model.
 TE_LAYER_KIND = "te.TransformerLayer"
@@ -348,12 +327,6 @@ QUOTED = [
     # docs/benchmarks.md
     Quoted("docs/benchmarks.md", "where it exceeds that by {} %", _bench_copy_threshold,
            "the threshold bench.md states: copy bound > 1.01 x baseline"),
-    Quoted("docs/benchmarks.md", "**Why `k` = {} misses.**", _missed_k, "bench.json targets: the overhead target missed"),
-    Quoted("docs/benchmarks.md", "The copy bound at `k` = {} equals the no-offload time", _bound_equals_baseline,
-           "bench.json: model A's predicted bound at that k against the no-offload step"),
-    Quoted("docs/benchmarks.md", "({} ms out, {} ms back on the timeline",
-           lambda d: (_f(d.lane_ms("engine k=2", "device-to-host")), _f(d.lane_ms("engine k=2", "host-to-device"))),
-           "bench.json: model A's timeline at k = 2, the copy lanes' busy time"),
     Quoted("docs/benchmarks.md", "about {} ms per further layer from `k` = 4 to 6",
            lambda d: (_f(round((d.run("A", "engine", 6)["step_ms"] - d.run("A", "engine", 4)["step_ms"]) / 2, -1)),),
            "bench.json: model A's engine step time at k = 6 minus k = 4, per layer, to 10 ms"),
@@ -368,11 +341,11 @@ QUOTED = [
            _engine_saves_all_on_torch_layers,
            "bench.json: saving / theory of every engine row on the models of PyTorch's layers"),
     Quoted("docs/benchmarks.md",
-           "On Transformer Engine's layers it is {} to {} % of theory, where Transformer Engine's offload saves "
-           "{} to {} %",
+           "On Transformer Engine's layers its saving is {} to {} % of theory, where Transformer Engine's offload "
+           "saves {} to {} %",
            _saving_ranges_on_te_layers,
            "bench.json: saving / theory of the engine's and TE's offload's rows on the models of TE layers"),
-    Quoted("docs/benchmarks.md", "Saved less than the engine and took longer on all {} models at every `k`",
+    Quoted("docs/benchmarks.md", "Freed less than the engine and took longer on all {} models at every `k`",
            _torchtune_behind, "bench.json: every torchtune row against the engine's row of the same model and k"),
     Quoted("docs/benchmarks.md", "recomputation cost less than offloading at all {} values of `k`",
            _checkpoint_cheaper_on_a, "bench.json: model A's checkpoint and engine overheads at every k"),
@@ -423,10 +396,8 @@ QUOTED = [
     Quoted("docs/index.md", "offloading {} to {} of {} layers costs a few percent", _few_percent,
            "bench.json: model A-torch's engine overhead at k = 2 and 3 between 1 and 5 %"),
     # defaults of the code and of other libraries
-    Quoted("docs/benchmarks.md", "Leaving storages under {} MiB on the device", _diag25_threshold_mib,
-           "diag25.py: the engine_1mib variant's min_offload_bytes"),
-    Quoted("docs/caveats.md", "leaving storages under {} MiB on the device", _diag25_threshold_mib,
-           "diag25.py: the engine_1mib variant's min_offload_bytes"),
+    Quoted("docs/caveats.md", "Leaving every storage under {} MiB on the device", _engine_1mib_threshold,
+           "h100-te-host-time/README.md: the engine_1mib variant's min_offload_bytes"),
     Quoted("docs/caveats.md", "`min_offload_bytes` ({} KiB by default)", _code_default_kib,
            "get_cpu_offload_context's signature"),
     Quoted("docs/api_mapping.md", "`min_offload_bytes` (keyword-only, {} KiB by default)", _code_default_kib,
@@ -441,24 +412,36 @@ QUOTED = [
     Quoted("docs/fsdp.md", "at least {} % of the theoretical one", _fsdp_bar, "the bar tests/test_fsdp.py's GPU test sets"),
     # docs/reliability.md (its other GPU figures are {stored} values)
     Quoted("docs/reliability.md", "(drift {} B)", _soak_gpu_drift,
-           "tests/test_reliability.py: test_soak_gpu asserts no drift; gpu_tests_with_te.txt shows it passed"),
+           "tests/test_reliability.py: test_soak_gpu asserts no drift; the stored GPU suite with TE has no failure"),
     Quoted("docs/reliability.md", "give up at least {} % of what their forwards hold (allocator's count); GPU bytes plus "
            "offloaded host bytes equal the bytes without offloading within {} % of the offloaded bytes",
            _te_gpu_bars, "the bars tests/test_te_gpu.py sets"),
-    Quoted("docs/reliability.md", "`OFFLOAD_EXAMPLES_REQUIRE_GPU=1`, {} passed, {} skipped", _gpu_without_te,
-           "gpu_tests_without_te.txt: pytest's summary line"),
-    Quoted("docs/reliability.md", "{} runs of the GPU suite in one process: each {} passed, {} failed, {} skipped, "
-           "the same {} each time", _gpu_with_te,
-           "gpu_tests_with_te.txt: the runs, each one's summary line and FAILED tests"),
-    Quoted("docs/reliability.md", "with and without offloading differed by up to {}e-{},", _te_grad_difference,
-           "gpu_tests_with_te.txt: the largest gradient difference an AssertionError printed"),
-    Quoted("docs/reliability.md", "short run to {} % of the allocator's count on TE layers; it measured {} %",
-           _bench_short_run, "gpu_tests_with_te.txt: test_bench_short_gpu_run's failed assertion, the same in every run"),
-    Quoted("docs/reliability.md", "the bar for TE layers is now {} %", _bench_te_bar,
-           "the bar tests/test_bench.py sets for TE layers"),
+    Quoted("docs/reliability.md", "with Transformer Engine installed, the whole GPU suite: {} passed, {} skipped",
+           _suite(f"{GPU_TESTS}/gpu_suite_te.log", "passed", "skipped"), "gpu_suite_te.log: pytest's summary line"),
+    Quoted("docs/reliability.md", "without Transformer Engine: {} passed, {} skipped",
+           _suite(f"{GPU_TESTS}/gpu_suite_no_te.log", "passed", "skipped"), "gpu_suite_no_te.log: pytest's summary line"),
+    Quoted("docs/reliability.md", "the GPU tests of the pipeline and FSDP files: {} passed",
+           _suite(f"{EVIDENCE}/2xh200-nccl/tests_2gpu.log", "passed"), "tests_2gpu.log: pytest's summary line"),
+    # docs/planner.md
+    Quoted("docs/planner.md", "In this run {} of {} plans met every check, every step prediction was within {} to {} % "
+           "of the measurement, and every peak within {} %", _planner_checks,
+           "the planner bench's planner_checks: met, step_error and peak_error of every plan"),
     # notebooks (their Markdown)
     Quoted("notebooks/01_concepts.ipynb", "run at {} to {} times the pageable bandwidth", _pinned_vs_pageable,
            "the notebook's output: pinned over pageable bandwidth, each direction, rounded"),
+    Quoted("notebooks/01_concepts.ipynb",
+           "there the step without offloading took {} ms, and six offloaded layers {} ms, {} %",
+           lambda d: (_f(d.run("A-torch", "no offload", 0)["step_ms"], 1), _f(d.run("A-torch", "engine", 6)["step_ms"], 1),
+                      f"{100 * d.run('A-torch', 'engine', 6)['overhead']:+.1f}"),
+           "bench.json: model A-torch's step without offloading, its engine step and paired overhead at k = 6"),
+    Quoted("notebooks/02_basic.ipynb",
+           "and measured {} % with two layers offloaded, its pairs spreading from {} % to {} % between quartiles",
+           lambda d: tuple(f"{100 * v:+.1f}" for v in (d.run("A", "engine", 2)["overhead"],
+                                                        *d.run("A", "engine", 2)["overhead_quartiles"])),
+           "bench.json: model A's engine overhead at k = 2 and its quartiles"),
+    Quoted("notebooks/02_basic.ipynb", "measured the default path at {} % against the offload path",
+           lambda d: (f"{100 * d.run('A', NO_OFFLOAD_DEFAULT_PATH, 0)['overhead']:+.1f}",),
+           "bench.json: model A's row for TE's default path without offloading"),
     Quoted("notebooks/04_cuda_graphs.ipynb", "peaks a little higher than the eager one, by {} GiB without offloading "
            "and {} GiB with", _graph_pool_extra,
            "the notebook's table: graphed minus eager peak, without and with offloading (both above zero)"),
@@ -609,7 +592,7 @@ def test_a_changed_stored_value_is_caught(data):
     bench["link_gb_per_s"]["d2h"] *= 0.8
     for e in next(m for m in bench["models"] if m["model"] == "A")["timelines"]["engine k=4"]:
         e["end"] += 1.0
-    changed.cache["docs/bench/bench.json"] = bench
+    changed.cache[BENCH] = bench
     concepts, n = re.subn(r"^(d2h pageable +)[\d.]+ GB/s", r"\g<1>27.5 GB/s", data.load("notebooks/01_concepts.ipynb"),
                           flags=re.M)
     assert n == 1, "notebook 01 no longer prints the d2h pageable bandwidth: change this test"

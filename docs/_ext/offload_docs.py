@@ -14,6 +14,8 @@
   is inherited from outside the package (``nn.Module.forward``'s).
 - **Attribute docstrings are prose.** Napoleon reads the first line of an attribute's docstring
   as ``type: description``; here those lines are sentences, so napoleon leaves attributes alone.
+- **A quiet build.** myst-parser logs its whole configuration at the info level each time a
+  builder starts; ``QuietMyst`` drops that one record, so a build prints only its progress.
 - **An entry page at the root** of the output (``index.html``) that forwards to the root
   document, which lives in ``docs/``.
 - **Numbers from the stored data.** ``{stored}`bench:models[A].runs[engine,k=2].overhead|+pct```
@@ -27,6 +29,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import logging as logging_std
 import re
 import xml.etree.ElementTree as ET
 from html import escape
@@ -232,19 +235,20 @@ def _napoleon_without_attributes(app) -> None:
 
 
 # -------------------------------------------------------------------------------- stored numbers
-# Every measured number in the prose comes from a file of the repository: a JSON result (the
-# benchmark's bench.json, a run in docs/runs/), or what a notebook printed (its stored outputs).
+# Every measured number in the prose comes from a file of the repository: a JSON result or a log in
+# docs/evidence/ (the benchmark's bench.json, say), or what a notebook printed (its stored outputs).
 # conf.py's ``stored_sources`` names those files; the prose writes
 #
 #   {stored}`bench:models[A].runs[engine,k=2].overhead|+pct`   a JSON value, formatted: "+1.4 %"
 #   {stored}`concepts:"d2h pageable"`                           a number a notebook printed: "13.5 GB/s"
 #
-# A source may name a part of a JSON file ("docs/bench/bench.json#models[A]" for model A's results).
-# A JSON path is keys and list positions separated by dots; ``[...]`` picks the one element of a
-# list whose fields match (``key=value``, or a bare value that any field equals), or a key of a
-# dict. A text source (a notebook's outputs, a Markdown or text file) takes a quoted label that
-# occurs once in it and gives the first number after the label on its line, as printed
-# (``"label"#2``: the second). Anything that does not resolve to exactly one value is an error.
+# A source may name a part of a JSON file ("docs/evidence/h100-bench/bench.json#models[A]" for model
+# A's results). A JSON path is keys and list positions separated by dots; ``[...]`` picks the one
+# element of a list whose fields match (``key=value``, or a bare value that any field equals; ``\,``
+# is a comma inside a value), or a key of a dict. A text source (a notebook's outputs, a Markdown or
+# text file) takes a quoted label that occurs once in it and gives the first number after the label
+# on its line, as printed (``"label"#2``: the second). Anything that does not resolve to exactly one
+# value is an error.
 
 class StoredValueError(ValueError):
     """A ``{stored}`` reference that does not name exactly one value of its source."""
@@ -305,7 +309,8 @@ def _scalar_equal(field: Any, wanted: str) -> bool:
 def _select(items: list, selector: str, where: str) -> Any:
     if re.fullmatch(r"-?\d+", selector):
         return items[int(selector)]
-    tests = [part.strip().partition("=") for part in selector.split(",")]
+    # fields are separated by commas; "\\," is a comma inside a value ("no offload\\, TE's default path")
+    tests = [part.replace("\\,", ",").strip().partition("=") for part in re.split(r"(?<!\\),", selector)]
     found = [item for item in items if isinstance(item, dict) and all(
         _scalar_equal(item.get(k), v) if eq else any(_scalar_equal(f, k) for f in item.values())
         for k, eq, v in tests)]
@@ -416,6 +421,21 @@ def stored_role(name, rawtext, text, lineno, inliner, options=None, content=None
     return [nodes.inline(rawtext, value, classes=["stored"])], []
 
 
+# ------------------------------------------------------------------------------------ quiet build
+class QuietMyst(logging_std.Filter):
+    """Drops myst-parser's ``myst vX: MdParserConfig(...)`` line, which it logs on every build."""
+
+    def filter(self, record: logging_std.LogRecord) -> bool:
+        return "myst v%s:" not in str(record.msg)
+
+
+def _quiet_myst() -> None:
+    # myst_parser.sphinx_ext.main logs through sphinx.util.logging, whose loggers sit under "sphinx."
+    target = logging_std.getLogger("sphinx.myst_parser.sphinx_ext.main")
+    if not any(isinstance(f, QuietMyst) for f in target.filters):
+        target.addFilter(QuietMyst())
+
+
 # ------------------------------------------------------------------------------------ entry page
 def write_root_index(app, exception) -> None:
     """``<out>/index.html``: forwards to the root document when that lives in a folder."""
@@ -434,6 +454,7 @@ def write_root_index(app, exception) -> None:
 
 
 def setup(app):
+    _quiet_myst()
     app.setup_extension("sphinx.ext.autodoc")
     app.setup_extension("sphinx.ext.napoleon")
     app.add_html_math_renderer("mathml", inline_renderers=(visit_math, None),

@@ -2,7 +2,9 @@
 
 Each notebook has a first code cell tagged ``parameters``. To run it with other values, a cell
 tagged ``injected-parameters`` is placed right after it (the convention papermill uses), then the
-notebook is executed top to bottom with ``nbclient``. Needs the ``notebooks`` extra.
+notebook is executed top to bottom with ``nbclient``. Needs the ``notebooks`` extra. The outputs
+are cleaned before the notebook is written (:func:`clean_outputs`): they are stored and read as
+documentation.
 
 Examples
 --------
@@ -20,16 +22,73 @@ from __future__ import annotations
 import argparse
 import ast
 import os
+import re
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["cells_missing_figures", "execute_notebook", "has_outputs"]
+__all__ = ["cells_missing_figures", "clean_outputs", "clean_text", "execute_notebook", "has_outputs"]
 
 INJECTED = "injected-parameters"
 #: The kernel draws figures inline, whatever MPLBACKEND says outside (``Agg`` would leave every
 #: ``plt.show()`` without an image, and the docs site without pictures).
 INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
+
+
+#: The repository the notebooks belong to (a checkout: the package sits at its top).
+ROOT = Path(__file__).resolve().parents[2]
+
+# Stored outputs are documentation: whoever reads them must not see the machine they ran on, nor
+# other libraries' warnings (Transformer Engine's missing Jax extension, the profiler's notices), which
+# carry that machine's paths and say nothing about offloading. The filter works on the outputs, not
+# on the kernel's warning filters, because ranks spawned by a notebook do not inherit those.
+_WARNING = re.compile(r"^(?P<path>\S+?\.py):\d+: \w*Warning: .*\n(?:[ \t]+.*\n?)*", re.M)
+
+
+def clean_text(text: str, root: str | Path = ROOT) -> str:
+    """``text`` without warnings raised outside ``root`` and without machine paths.
+
+    A warning block (``path.py:line: SomeWarning: message`` and the indented source lines after it)
+    stays only when ``path`` lies inside ``root``, and then with ``path`` relative to it; any other
+    path inside ``root`` becomes relative too, and a path inside the temporary folder becomes its
+    file name.
+    """
+    root = str(Path(root).resolve())
+
+    def keep(m: re.Match) -> str:
+        path = m.group("path")
+        return m.group(0) if path.startswith(root + os.sep) and "site-packages" not in path else ""
+
+    text = _WARNING.sub(keep, text)
+    text = text.replace(root + os.sep, "")
+    temp = {tempfile.gettempdir().rstrip(os.sep), "/tmp"}
+    for folder in sorted(temp, key=len, reverse=True):
+        text = re.sub(re.escape(folder) + r"/(?:[^\s'\"]*/)?([^\s/'\"]+)", r"\1", text)
+    return text
+
+
+def clean_outputs(nb, root: str | Path = ROOT) -> int:
+    """Apply :func:`clean_text` to every stream and plain-text output of ``nb`` (an nbformat
+    notebook), dropping streams left empty; returns how many outputs changed."""
+    changed = 0
+    for cell in nb.cells:
+        kept = []
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream":
+                text = clean_text(out["text"], root)
+                changed += text != out["text"]
+                out["text"] = text
+                if not text:
+                    continue
+            elif "text/plain" in out.get("data", {}) and len(out["data"]) == 1:
+                text = clean_text(out["data"]["text/plain"], root)
+                changed += text != out["data"]["text/plain"]
+                out["data"]["text/plain"] = text
+            kept.append(out)
+        if "outputs" in cell:
+            cell.outputs = kept
+    return changed
 
 
 def _inject(nb, parameters: Mapping[str, Any]) -> None:
@@ -77,6 +136,7 @@ def execute_notebook(
             os.environ.pop("MPLBACKEND")
         else:
             os.environ["MPLBACKEND"] = outside
+    clean_outputs(nb)
     stamp = nb.metadata.setdefault("offload_examples", {})
     stamp["executed_seconds"] = round(time.perf_counter() - start, 1)
     stamp["device"] = _device_name()

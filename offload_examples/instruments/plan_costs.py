@@ -64,9 +64,9 @@ def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 20,
     and of ``x`` (also when one fails): call it before accumulating gradients, not in the middle.
     ``steps`` timed steps follow one warm-up step; each
     layer's times are the median over them, and the per-choice runs take ``steps`` rounds. What a
-    choice adds is a difference of two runs' steps, noisier than either: with 5 rounds, notebook 07's
-    predictions of the same plans moved far more between executions than its measured steps did
-    (``docs/runs/2026-11-24-h100-session16/README.md``), hence 20. On a CPU the times are host times
+    choice adds is a difference of two runs' steps, noisier than either: with a few rounds the
+    predictions of the same plans move far more from one measurement to the next than the measured
+    steps do, hence 20. On a CPU the times are host times
     of a CPU run: right for planning a CPU run, not a prediction for a GPU.
 
     With ``per_choice`` (the default) more runs, taking turns step by step, time every layer kept
@@ -308,9 +308,9 @@ def _pooled_by_kind(costs: Sequence[LayerCost], layers: Sequence[nn.Module]) -> 
 #: How far (relative) a layer's time may be from its kind's median and still be taken as noise.
 POOL_TOLERANCE = 0.25
 #: The times that tell whether a layer computes what its kind computes: measured directly. The
-#: others are differences of two runs (``recompute_ms``), whose relative noise is larger: on 12 TE
-#: layers one layer's recomputation measured 27 % below its kind's and the search recomputed exactly
-#: that layer (bench of session 8, step errors up to +20 %).
+#: others are differences of two runs (``recompute_ms``), whose relative noise is larger: a layer set
+#: apart from its kind by such a difference alone (a recomputation measured a quarter below its kind's)
+#: draws the exact search to it, and the plan's steps then miss their prediction.
 ALIKE_FIELDS = ("forward_ms", "backward_ms")
 
 
@@ -333,8 +333,8 @@ def _hook_free_step(layers: Sequence[nn.Module], x: torch.Tensor, offloaded: Seq
     """A timed training step with the layers ``offloaded`` offloaded, and its engine (give its pool back).
 
     The engine's first step counts every layer; the later ones hook only the offloaded layers, as a
-    plan's engine does, so a kept layer runs without hooks (the probe's hooks on every layer lengthened
-    each forward of a launch-bound layer by half again: prof19, session 10).
+    plan's engine does, so a kept layer runs without hooks (on a launch-bound layer the probe's hooks
+    lengthen each forward by about half again).
     """
     ctx = OffloadEngine(offload_schedule(offloaded, len(layers)), device=x.device, retain_pinned_cpu_buffers=True,
                         count_every_layer=False)
@@ -351,8 +351,8 @@ def _hook_free_step(layers: Sequence[nn.Module], x: torch.Tensor, offloaded: Seq
 OFFLOAD_SAMPLE = 2
 #: One layer in this many of a kind (at least one) is recomputed in the run that times recomputing
 #: them. Not all: on Transformer Engine's layers the backward has host time to spare while most
-#: layers are kept, and recomputing every layer used it up (all 12 recomputed measured 5.8 ms a layer,
-#: 2, 4 and 8 of them 3.2-3.5 ms: planner bench, session 11).
+#: layers are kept, and recomputing every layer uses it up (on an H100, 12 layers all recomputed cost
+#: about 5.8 ms a layer, 2 to 8 of them about 3.3 ms).
 RECOMPUTE_SHARE = 4
 
 
@@ -397,8 +397,8 @@ def _per_choice(costs: list[LayerCost], layers: Sequence[nn.Module], x: torch.Te
 
     Why the whole step: on a launch-bound step (Transformer Engine's layers) what offloading costs
     shows up in the layers after the one offloaded, whose host work runs while its copies do; that
-    layer's own forward grew by 1.3-2.6 ms while plans offloading two layers measured about 7 ms a
-    layer slower (planner bench, session 11). Why a few layers: with every layer offloaded the copies
+    layer's own forward grows by 1.3-2.6 ms on an H100 while plans offloading two layers run about
+    7 ms a layer slower. Why a few layers: with every layer offloaded the copies
     take longer than the forward, the compute stream waits for them and falls behind the host, and
     the host work of the engine hides behind those waits, as it does not in a plan that offloads
     few; recomputing every layer used up host time the backward has to spare (:data:`RECOMPUTE_SHARE`).
