@@ -72,14 +72,6 @@ def test_docs_build_without_warnings(build):
 WORK_WORD = "sess" + "ion"
 #: Lines that may keep it: a genuine technical term (pytest's fixture scope).
 TECHNICAL = (re.compile(r"""scope=["']""" + WORK_WORD + r"""["']"""),)
-#: Lines of files outside the documentation that still use it, each until that file changes; an entry
-#: whose line is gone fails, so the list only shrinks.
-KNOWN = {
-    ("offload_examples/core/te_path.py", "docs/runs/2026-11-24-h100-" + WORK_WORD + "8"),
-    ("tests/test_planner.py", WORK_WORD + " 11"),
-}
-#: The same for the rendered pages: text an API page takes from such a file's docstring.
-KNOWN_RENDERED = {("docs/api/engine.html", "docs/runs/2026-11-24-h100-" + WORK_WORD + "8")}
 #: Where the word is looked for: the site's sources, the package, the tests, the README.
 SOURCES = ("docs", "notebooks", "offload_examples", "tests", "conf.py", "README.md")
 #: A commit id as prose would quote one: 7 to 40 hex digits, at least one digit and one letter.
@@ -98,19 +90,13 @@ def _source_files() -> list[Path]:
 def test_sources_speak_of_the_product():
     """No page, notebook (sources and stored outputs), evidence file, module, test or README speaks
     of a stretch of work: the site says what is true now."""
-    found, known_seen = [], set()
+    found = []
     for path in _source_files():
         rel = path.relative_to(ROOT).as_posix()
         for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-            if WORK_WORD not in line.lower() or any(t.search(line) for t in TECHNICAL):
-                continue
-            known = {(f, text) for f, text in KNOWN if f == rel and text in line}
-            if known:
-                known_seen |= known
-                continue
-            found.append(f"{rel}:{number}: {line.strip()[:120]}")
+            if WORK_WORD in line.lower() and not any(t.search(line) for t in TECHNICAL):
+                found.append(f"{rel}:{number}: {line.strip()[:120]}")
     assert not found, "\n".join(found)
-    assert known_seen == KNOWN, f"KNOWN lists lines that are gone: {sorted(KNOWN - known_seen)}"
 
 
 def _page_texts(site: Path) -> dict[str, str]:
@@ -132,17 +118,9 @@ def test_pages_do_not_speak_of_work_history(site):
     evidence folders' READMEs)."""
     texts = _page_texts(site)
     assert len(texts) >= len(_source_pages())
-    found, known_seen = [], set()
-    for page, text in texts.items():
-        for m in (*re.finditer(WORK_WORD, text, re.I), *COMMIT.finditer(text)):
-            around = text[max(0, m.start() - 60):m.end() + 60]
-            known = {(p, t) for p, t in KNOWN_RENDERED if p == page and t in around}
-            if known:
-                known_seen |= known
-            else:
-                found.append(f"{page}: ...{around}...")
+    found = [f"{page}: ...{text[max(0, m.start() - 60):m.end() + 60]}..." for page, text in texts.items()
+             for m in (*re.finditer(WORK_WORD, text, re.I), *COMMIT.finditer(text))]
     assert not found, "\n".join(found)
-    assert known_seen == KNOWN_RENDERED, f"KNOWN_RENDERED lists text that is gone: {KNOWN_RENDERED - known_seen}"
 
 
 def test_commit_pattern():

@@ -454,7 +454,7 @@ def test_per_choice_times_are_the_hook_free_runs_taking_turns(monkeypatch):
 def test_each_kind_is_timed_on_a_few_of_its_layers(monkeypatch):
     """For each kind of layer one run offloads its first OFFLOAD_SAMPLE layers (never the model's last)
     and one recomputes a RECOMPUTE_SHARE-th of them: few, so that the copies fit and the backward's
-    spare host time is not used up (TE layers, session 11); each layer of a kind gets its own kept
+    spare host time is not used up (on Transformer Engine's layers); each layer of a kind gets its own kept
     times plus its kind's additions, and a kind found only in the last layer no offloaded times."""
     from offload_examples.instruments import plan_costs
 
