@@ -8,20 +8,25 @@ and exit code 2 (argparse's code for a usage error): no usage block, no tracebac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import json
 import math
 import os
+import tempfile
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Collection, NoReturn, Sequence
 
 import torch
 
+from offload_examples.instruments.fit import SKIP_ENV, Need, memory_error
 from offload_examples.instruments.models import has_transformer_engine
 
 __all__ = [
-    "DTYPES", "KINDS", "ArgumentParser", "HelpFormatter", "add_device", "add_json", "check_kind", "check_sizes",
-    "default_device", "device_arg", "field_int_arg", "fractions_arg", "int_arg", "json_path_arg", "nonnegative_int",
-    "one_line", "output_folder_arg", "positive_int",
+    "DTYPES", "KINDS", "ArgumentParser", "HelpFormatter", "OutputFile", "SizeError", "add_device", "add_json",
+    "check_kind", "check_memory", "check_sizes", "claim_output", "default_device", "device_arg", "field_int_arg", "fractions_arg", "int_arg",
+    "json_path_arg", "json_text", "nonnegative_int", "one_line", "output_folder_arg", "positive_int", "size_error_text",
+    "write_atomic",
 ]
 
 #: The dtypes a scenario's ``--dtype`` accepts.
@@ -177,6 +182,103 @@ def output_folder_arg(text: str) -> Path:
     return path
 
 
+def json_text(data: Any) -> str:
+    """``data`` as the commands write JSON: indented, with a final newline."""
+    return json.dumps(data, indent=2) + "\n"
+
+
+def write_atomic(path: str | Path, text: str) -> Path:
+    """Write ``text`` to ``path`` through a new file in the same folder renamed over it: a reader (or a
+    run that fails while writing) sees the old file or the whole new one, never a part."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    _fill(fd, tmp, text, path)
+    return path
+
+
+def _fill(fd: int, tmp: str, text: str, path: Path) -> None:
+    """Write ``text`` into the open temporary file ``fd`` (at ``tmp``) and rename it to ``path``; remove it on failure."""
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+class OutputFile:
+    """A file a command writes after its run, proven writable before the run starts.
+
+    :meth:`claim` makes the missing folders and creates the temporary file the results will be
+    written to, so a folder that only looks writable (``/proc`` as root, a read-only mount) fails
+    at once. :meth:`write` fills it and renames it over ``path`` (see :func:`write_atomic`); it may
+    be called again with newer results. :meth:`close` removes what the claim created if nothing was
+    written: the temporary file and the folders it made.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.made: list[Path] = []  # folders made for it, deepest first
+        self.written = False
+        self._fd: int | None = None
+        self._tmp = ""
+
+    @classmethod
+    def claim(cls, path: str | Path) -> OutputFile:
+        """Make ``path``'s missing folders and a temporary file beside it; ``OSError`` where that fails."""
+        out = cls(Path(path))
+        missing = [p for p in [out.path.parent, *out.path.parent.parents] if not p.exists()]
+        try:
+            for folder in reversed(missing):
+                with contextlib.suppress(FileExistsError):  # made meanwhile by another process: not ours
+                    folder.mkdir()
+                    out.made.insert(0, folder)
+            out._fd, out._tmp = tempfile.mkstemp(dir=out.path.parent, prefix=f".{out.path.name}.", suffix=".tmp")
+        except BaseException:
+            out.close()
+            raise
+        return out
+
+    def write(self, text: str) -> Path:
+        """Replace ``path``'s content with ``text`` at once."""
+        if self._fd is None:
+            write_atomic(self.path, text)
+        else:
+            fd, self._fd = self._fd, None
+            _fill(fd, self._tmp, text, self.path)
+        self.written = True
+        return self.path
+
+    def write_json(self, data: Any) -> Path:
+        """Replace ``path``'s content with ``data`` as indented JSON (:func:`json_text`) at once."""
+        return self.write(json_text(data))
+
+    def close(self) -> None:
+        """Remove the unused temporary file, and the folders made for it if nothing was written."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+            Path(self._tmp).unlink(missing_ok=True)
+        if not self.written:
+            for folder in self.made:
+                with contextlib.suppress(OSError):  # not empty: something else wrote there meanwhile
+                    folder.rmdir()
+
+    def __enter__(self) -> OutputFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def fractions_arg(text: str) -> list[float]:
     """An argparse ``type``: comma-separated numbers between 0 and 1, e.g. ``0,0.5,1``."""
     fractions = []
@@ -203,12 +305,39 @@ def add_json(parser: argparse.ArgumentParser) -> None:
                         help="also write the report as JSON to PATH, in a folder that exists (default: no JSON)")
 
 
+class SizeError(ValueError):
+    """A size that cannot run, with the values that make it so.
+
+    ``values`` maps each field the message is about to its value, so that a command line can say
+    which of them the user did not type (:func:`size_error_text`).
+    """
+
+    def __init__(self, message: str, **values: Any):
+        super().__init__(message)
+        self.values = values
+
+
+def size_error_text(error: ValueError, given: Collection[str]) -> str:
+    """``error``'s message, saying which of the values it is about are defaults rather than typed.
+
+    ``given``: the fields the command line set. ``basic --layers 3`` on a GPU, where ``offload`` is 3
+    by default, reads ``offload must be between 1 and layers - 1 = 2, got 3 (--offload 3 is the default
+    here, not a value you gave)``.
+    """
+    defaults = {k: v for k, v in getattr(error, "values", {}).items() if k not in given}
+    if not defaults:
+        return str(error)
+    shown = ", ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, (list, tuple)) else v}"
+                      for k, v in defaults.items())
+    return f"{error} ({shown} {'is the default' if len(defaults) == 1 else 'are the defaults'} here, not a value you gave)"
+
+
 def check_sizes(config: Any, offload_of: str | None = "layers") -> None:
-    """Raise ``ValueError`` for a size dataclass whose values cannot run.
+    """Raise :class:`SizeError` for a size dataclass whose values cannot run.
 
     Integer fields must be at least 1 (:data:`MAY_BE_ZERO` at least 0); ``dtype`` and ``kind`` must
-    be among :data:`DTYPES` and :data:`KINDS`; ``offload`` must be between 1 and ``offload_of - 1``;
-    ``hidden`` must be divisible by ``heads``.
+    be among :data:`DTYPES` and :data:`KINDS`; ``offload`` must be between 1 and ``offload_of - 1``
+    (so ``offload_of`` at least 2); ``hidden`` must be divisible by ``heads``.
     """
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     for name, value in values.items():
@@ -216,18 +345,43 @@ def check_sizes(config: Any, offload_of: str | None = "layers") -> None:
             continue
         least = 0 if name in MAY_BE_ZERO else 1
         if value < least:
-            raise ValueError(f"{name} must be at least {least}, got {value}")
+            raise SizeError(f"{name} must be at least {least}, got {value}", **{name: value})
         if name == "seed" and value > MAX_SEED:
-            raise ValueError(f"seed must be at most {MAX_SEED}, got {value}")
+            raise SizeError(f"seed must be at most {MAX_SEED}, got {value}", seed=value)
     if "dtype" in values and values["dtype"] not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {values['dtype']!r}")
+        raise SizeError(f"dtype must be one of {', '.join(DTYPES)}, got {values['dtype']!r}", dtype=values["dtype"])
     if "kind" in values and values["kind"] not in KINDS:
-        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {values['kind']!r}")
-    if "offload" in values and offload_of is not None and not 1 <= values["offload"] <= values[offload_of] - 1:
-        raise ValueError(f"offload must be between 1 and {offload_of} - 1 = {values[offload_of] - 1}, "
-                         f"got {values['offload']}")
+        raise SizeError(f"kind must be one of {', '.join(KINDS)}, got {values['kind']!r}", kind=values["kind"])
+    if "offload" in values and offload_of is not None:
+        n, k = values[offload_of], values["offload"]
+        if n < 2:  # whatever offload is: it must be at least 1 and below n
+            raise SizeError(f"{offload_of} must be at least 2 (offload is between 1 and {offload_of} - 1), got {n}",
+                            **{offload_of: n})
+        if not 1 <= k <= n - 1:
+            raise SizeError(f"offload must be between 1 and {offload_of} - 1 = {n - 1}, got {k}",
+                            **{"offload": k, offload_of: n})
     if "hidden" in values and "heads" in values and values["hidden"] % values["heads"]:
-        raise ValueError(f"hidden ({values['hidden']}) must be divisible by heads ({values['heads']})")
+        raise SizeError(f"hidden ({values['hidden']}) must be divisible by heads ({values['heads']})",
+                        hidden=values["hidden"], heads=values["heads"])
+
+
+def check_memory(parser: ArgumentParser, need: Need, devices: Sequence[torch.device] = (), here: bool = True,
+                 hint: str = "") -> None:
+    """End the command in one line when ``need`` does not fit (:func:`~offload_examples.instruments.fit.memory_error`);
+    ``hint`` says what to change."""
+    if (why := memory_error(need, devices, here)) is not None:
+        parser.error(f"{why}: {hint or 'choose smaller sizes'} (or set {SKIP_ENV}=1 to run anyway)")
+
+
+def claim_output(parser: ArgumentParser, option: str, path: Path | None) -> OutputFile | None:
+    """``path``'s :class:`~offload_examples.instruments.cli.OutputFile`, claimed before the run (``None``
+    without a path); a path that cannot be written ends the command in one line naming ``option``."""
+    if path is None:
+        return None
+    try:
+        return OutputFile.claim(path)
+    except OSError as e:
+        parser.error(f"argument {option}: cannot write {str(path)!r}: {e.strerror or e}")
 
 
 def check_kind(kind: str, device: torch.device) -> str | None:

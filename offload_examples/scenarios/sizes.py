@@ -23,6 +23,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from offload_examples.instruments.cli import check_sizes, default_device
+from offload_examples.instruments.fit import Need, Stack
 
 __all__ = ["MicroBatches", "ScenarioConfig", "Timing", "TransformerSize"]
 
@@ -51,6 +52,11 @@ class ScenarioConfig:
 
     def check(self) -> None:
         """Raise ``ValueError`` for values this scenario cannot run (beyond the shared checks)."""
+
+    def memory_need(self) -> Need:
+        """The GPU and host memory a run of these sizes needs, estimated from the sizes alone
+        (see :mod:`offload_examples.instruments.fit`); each scenario counts what it holds."""
+        raise NotImplementedError(f"{type(self).__name__} does not estimate its memory")
 
     @classmethod
     def small_values(cls) -> dict[str, Any]:
@@ -95,6 +101,10 @@ class TransformerSize:
     dtype: str = "bfloat16"
 
     SMALL: ClassVar[dict[str, Any]] = dict(hidden=64, heads=4, ffn=256, seq=32, dtype="float32")
+
+    def stack(self, layers: int, sequences: int) -> Stack:
+        """``layers`` of the scenarios' transformer layers of these sizes, trained on ``sequences`` sequences."""
+        return Stack.transformer(layers, self.hidden, self.heads, self.ffn, sequences * self.seq, self.dtype)
 
 
 @dataclass
