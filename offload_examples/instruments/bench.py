@@ -1318,7 +1318,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.strategies is not None and (why := [f"{s}: {r}" for s in args.strategies if (r := available(s, device))]):
         parser.error(f"--strategies {'; '.join(why)}")
     import_transformer_engine()  # before CUDA starts, when installed
-    check_memory(parser, memory_need(config), [device],
+    check_memory(parser, memory_need(config, device.type), [device],
                  hint=f"{'' if tiny else 'use --tiny or '}lower --layers, or choose smaller --models")
     with claim_output(parser, "--out", args.out / "bench.json") as out:
         results = run(config, device, partial=lambda r: out.write_json({**r, "partial": True}))
@@ -1335,10 +1335,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return results
 
 
-def memory_need(config: BenchConfig) -> Need:
+def memory_need(config: BenchConfig, device_type: str) -> Need:
     """What the grid needs: its largest model's no-offload step (the models run one after another); on the
     host that model as built (float32), or the pinned buffers of the largest ``k`` and four steps' gradients."""
-    stacks = [Stack.transformer(config.layers, spec.hidden, spec.heads, spec.ffn, spec.batch * config.seq, config.dtype)
-              for spec in (MODELS[m].small() if config.small else MODELS[m] for m in config.models)]
+    specs = [MODELS[m].small() if config.small else MODELS[m] for m in config.models]
+    stacks = [Stack.transformer(config.layers, spec.hidden, spec.heads, spec.ffn, spec.batch, config.seq, config.dtype,
+                                device_type) for spec in specs]
     host = max(max(s.build_bytes, s.saved_bytes(max(config.ks)) + s.copies_bytes(4)) for s in stacks)
     return Need(max(s.step_bytes() for s in stacks), host)

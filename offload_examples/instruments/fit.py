@@ -9,7 +9,7 @@ The estimates count what the scenarios hold at their peak: parameters and their 
 optimizer state), the bytes each layer saves for backward (measured on PyTorch's layers: ``9 h + 2
 ffn`` elements per token for a transformer layer, ``9 w`` for ``Linear(w, 4w), GELU, Linear(4w, w)``),
 inputs, pinned host buffers and the host copies the gradient checks keep. They are upper bounds
-within a few tens of percent; :data:`MARGIN` and :data:`RESERVE_BYTES` leave room for what they do
+within a few tens of percent; :data:`MARGIN_PERCENT` and :data:`RESERVE_BYTES` leave room for what they do
 not count (allocator rounding, workspaces, the CUDA context).
 """
 
@@ -22,12 +22,12 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["MARGIN", "RESERVE_BYTES", "SKIP_ENV", "Need", "Stack", "dtype_bytes", "gpu_free_bytes",
+__all__ = ["MARGIN_PERCENT", "RESERVE_BYTES", "SKIP_ENV", "Need", "Stack", "dtype_bytes", "gpu_free_bytes",
            "host_available_bytes", "memory_error"]
 
 GiB = 2**30
-#: The estimate times this must fit in what is available.
-MARGIN = 1.1
+#: The estimate plus this percentage of it must fit in what is available.
+MARGIN_PERCENT = 10
 #: Bytes kept free on top: per process on the host, per GPU on a device.
 RESERVE_BYTES = GiB // 2
 #: Set to 1 to run even where the estimate says the sizes do not fit.
@@ -61,10 +61,17 @@ class Stack:
     element: int
 
     @classmethod
-    def transformer(cls, layers: int, hidden: int, heads: int, ffn: int, tokens: int, dtype: str) -> Stack:
-        """``nn.Linear(hidden, hidden)`` and a pre-norm transformer layer per layer (the scenarios' model)."""
+    def transformer(cls, layers: int, hidden: int, heads: int, ffn: int, sequences: int, seq: int, dtype: str,
+                    device_type: str) -> Stack:
+        """``nn.Linear(hidden, hidden)`` and a pre-norm transformer layer per layer (the scenarios' model),
+        on ``sequences`` sequences of ``seq`` tokens.
+
+        On a CPU the gradient checks' deterministic kernels run attention's math kernel, which also saves
+        the attention weights (``heads * seq`` elements per token) and two more tensors of the width.
+        """
         params = 5 * hidden * hidden + 2 * hidden * ffn + 10 * hidden + ffn
-        return cls(layers, params, 9 * hidden + 2 * ffn + 2 * heads + 4, tokens, hidden, dtype_bytes(dtype))
+        saved = 9 * hidden + 2 * ffn + 2 * heads + 4 + (0 if device_type == "cuda" else 2 * hidden + heads * seq)
+        return cls(layers, params, saved, sequences * seq, hidden, dtype_bytes(dtype))
 
     @classmethod
     def linear(cls, layers: int, width: int, tokens: int, dtype: str) -> Stack:
@@ -139,8 +146,12 @@ def gpu_free_bytes(device: torch.device, here: bool = True) -> int:
     return torch.cuda.get_device_properties(device).total_memory - RESERVE_BYTES
 
 
-def _gib(n: float) -> str:
-    return f"{n / GiB:.1f} GiB"
+def _gib(n: int) -> str:
+    return f"{n / GiB:.1f} GiB" if n < 2**80 else "over 10^15 GiB"  # sizes typed as huge integers stay exact
+
+
+def _with_margin(n: int) -> int:
+    return n + n * MARGIN_PERCENT // 100 + RESERVE_BYTES
 
 
 def memory_error(need: Need, devices: Sequence[torch.device] = (), here: bool = True) -> str | None:
@@ -155,14 +166,14 @@ def memory_error(need: Need, devices: Sequence[torch.device] = (), here: bool = 
     gpus = [d for d in devices if d.type == "cuda"]
     for device in gpus:
         free = gpu_free_bytes(device, here)
-        if need.device * MARGIN + RESERVE_BYTES > free:
+        if _with_margin(need.device) > free:
             each = " on each of its GPUs" if need.ranks > 1 else ""
             return (f"the sizes need about {_gib(need.device)} of GPU memory{each} (estimated, plus a "
-                    f"{MARGIN - 1:.0%} margin); {device} has {_gib(free)} free")
+                    f"{MARGIN_PERCENT}% margin); {device} has {_gib(free)} free")
     per_rank = need.host + (0 if gpus else need.device)
     available = host_available_bytes()
-    if available is not None and need.ranks * (per_rank * MARGIN + RESERVE_BYTES) > available:
+    if available is not None and need.ranks * _with_margin(per_rank) > available:
         ranks = f" on {need.ranks} ranks" if need.ranks > 1 else ""
         return (f"the sizes need about {_gib(need.ranks * per_rank)} of host memory{ranks} (estimated, plus a "
-                f"{MARGIN - 1:.0%} margin); {_gib(available)} is available (MemAvailable)")
+                f"{MARGIN_PERCENT}% margin); {_gib(available)} is available (MemAvailable)")
     return None

@@ -51,10 +51,10 @@ class BasicConfig(TransformerSize, Timing, ScenarioConfig):
     #: The small size, which runs in seconds on a CPU: what it changes here (the shared sizes have their own).
     SMALL = dict(layers=6, offload=2, batch=4, kind="torch")
 
-    def memory_need(self) -> Need:
+    def memory_need(self, device_type: str) -> Need:
         """A training step; on the host the model as built (float32), or the offloaded layers' pinned
         buffers and four steps' gradients (two measured runs and the gradient check)."""
-        s = self.stack(self.layers, self.batch)
+        s = self.stack(self.layers, self.batch, device_type)
         return Need(s.step_bytes(), max(s.build_bytes, s.saved_bytes(self.offload) + s.copies_bytes(4)))
 
 

@@ -148,7 +148,7 @@ def _choose_device(parser: ArgumentParser, args: argparse.Namespace, config_cls:
     if (why := check_kind(getattr(config, "kind", "torch"), device)) is not None:
         parser.error(why)
     import_transformer_engine()  # when installed: before CUDA starts
-    check_memory(parser, config.memory_need(), [device], hint=size_hint(args, args.small or device.type != "cuda"))
+    check_memory(parser, config.memory_need(device.type), [device], hint=size_hint(args, args.small or device.type != "cuda"))
     return config, device
 
 

@@ -67,11 +67,11 @@ class GraphsConfig(TransformerSize, ScenarioConfig):
     #: The small size, which runs in seconds on a CPU: what it changes here (the shared sizes have their own).
     SMALL = dict(layers=4, ffn=128, seq=16, batch=2, replays=3, checks=3, warmup=1)
 
-    def memory_need(self) -> Need:
+    def memory_need(self, device_type: str) -> Need:
         """An eager step, and the captured step's private pool holding a step's activations too, with
         ``checks`` inputs; on the host the pinned buffers and the gradients of ``checks`` references and
         three steps."""
-        s = self.stack(self.layers, self.batch)
+        s = self.stack(self.layers, self.batch, device_type)
         device = s.step_bytes() + s.saved_bytes(self.layers + 1) + self.checks * s.io_bytes
         return Need(device, max(s.build_bytes, s.saved_bytes(self.offload) + s.copies_bytes(self.checks + 3)))
 

@@ -143,13 +143,13 @@ class FsdpConfig(TransformerSize, Timing, ScenarioConfig):
     #: The small size, which runs in seconds on a CPU: what it changes here (the shared sizes have their own).
     SMALL = dict(world=2, layers=4, offload=2, batch=2)
 
-    def memory_need(self) -> Need:
+    def memory_need(self, device_type: str) -> Need:
         """Per rank: the layers as built whole, then their shards of parameters, gradients and AdamW's
         two moments (whole, and DDP's buckets, with ``ddp``), two layers gathered, and a training step's
         activations; with a fraction ``plan`` rank 0 first measures a step of the whole layers. On the
         host the layers as built (float32), or the pinned buffers and both runs' gradients and updated
         parameters (and the optimizer's state with ``cpu_params``)."""
-        s = self.stack(self.layers, self.batch)
+        s = self.stack(self.layers, self.batch, device_type)
         world = self.world or 1
         shard = s.param_bytes if self.wrap == "ddp" else s.param_bytes // world
         weights = 5 * shard if self.wrap == "ddp" else s.param_bytes + 4 * shard + 2 * s.param_bytes // self.layers
@@ -836,7 +836,7 @@ def _choose(parser, args: argparse.Namespace, config_cls: type[FsdpConfig], chan
         except ImportError:
             parser.error(f"--wrap fsdp needs torch >= 2.6 (torch.distributed.fsdp.fully_shard); this is "
                          f"{torch.__version__} (use --wrap ddp)")
-    need = config.memory_need()
+    need = config.memory_need(device.type)
     if torchrun:  # this process is one rank on its own GPU; the host is shared by this node's ranks
         local = int(os.environ["LOCAL_RANK"])
         gpus = [torch.device("cuda", local)] if device.type == "cuda" else []

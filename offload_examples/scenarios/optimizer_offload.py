@@ -56,7 +56,7 @@ class OptimizerConfig(Timing, ScenarioConfig):
     #: The small size, which runs in seconds on a CPU: what it changes here (the step counts have their own).
     SMALL = dict(layers=3, width=32, seq=8, batch=2, steps=4)
 
-    def memory_need(self) -> Need:
+    def memory_need(self, device_type: str) -> Need:
         """A training step with Adam's two moments and four inputs; on the host the parameters after the
         first and the last step of every run, and Adam's moments and the gradients of the offloaded part."""
         s = Stack.linear(self.layers, self.width, self.batch * self.seq, "float32")

@@ -65,11 +65,12 @@ class PipelineConfig(TransformerSize, MicroBatches, Timing, ScenarioConfig):
     #: The small size, which runs in seconds on a CPU: what it changes here (the shared sizes have their own).
     SMALL = dict(kind="torch")
 
-    def memory_need(self) -> Need:
+    def memory_need(self, device_type: str) -> Need:
         """One layer holding what every micro-batch saves (no offloading), plus one micro-batch's backward
         temporaries, and the inputs; on the host three engines' pinned buffers (each up to every
         micro-batch) and eight steps' gradients."""
-        one, every = self.stack(1, self.micro_batch), self.stack(1, self.microbatches * self.micro_batch)
+        one = self.stack(1, self.micro_batch, device_type)
+        every = self.stack(1, self.microbatches * self.micro_batch, device_type)
         device = 2 * every.param_bytes + every.saved_bytes() + one.saved_bytes() + 3 * every.io_bytes
         return Need(device, max(every.build_bytes, 3 * every.saved_bytes() + every.copies_bytes(8)))
 

@@ -61,11 +61,11 @@ class DistConfig(TransformerSize, MicroBatches, ScenarioConfig):
     SMALL = dict(layers_per_stage=3, offload=1, steps=2)
     OFFLOAD_OF = "layers_per_stage"
 
-    def memory_need(self) -> Need:
+    def memory_need(self, device_type: str) -> Need:
         """Per stage (one rank each): the whole model as every rank builds it before keeping its stage, or a
         training step of its layers on every micro-batch; on the host the whole model as built (float32),
         or its pinned buffers and two steps' gradients."""
-        s = self.stack(self.layers_per_stage, self.microbatches * self.micro_batch)
+        s = self.stack(self.layers_per_stage, self.microbatches * self.micro_batch, device_type)
         host = max(self.stages * s.build_bytes, s.saved_bytes(self.offload) + s.copies_bytes(2))
         return Need(max(self.stages * s.param_bytes, s.step_bytes()), host, self.stages)
 
@@ -285,7 +285,7 @@ def _choose_backend(parser, args: argparse.Namespace, config_cls: type[DistConfi
     if importlib.util.find_spec("numpy") is None:
         parser.error("torch.distributed.pipelining needs numpy: pip install numpy")
     gpus = [torch.device("cuda", r) for r in range(config.stages)] if backend == "nccl" else []
-    check_memory(parser, config.memory_need(), gpus, here=False, hint=size_hint(args, small))
+    check_memory(parser, config.memory_need("cuda" if backend == "nccl" else "cpu"), gpus, here=False, hint=size_hint(args, small))
     return config, backend
 
 

@@ -53,9 +53,10 @@ class ScenarioConfig:
     def check(self) -> None:
         """Raise ``ValueError`` for values this scenario cannot run (beyond the shared checks)."""
 
-    def memory_need(self) -> Need:
-        """The GPU and host memory a run of these sizes needs, estimated from the sizes alone
-        (see :mod:`offload_examples.instruments.fit`); each scenario counts what it holds."""
+    def memory_need(self, device_type: str) -> Need:
+        """The GPU and host memory a run of these sizes on ``device_type`` (``cuda`` or ``cpu``) needs,
+        estimated from the sizes alone (see :mod:`offload_examples.instruments.fit`); each scenario
+        counts what it holds."""
         raise NotImplementedError(f"{type(self).__name__} does not estimate its memory")
 
     @classmethod
@@ -102,9 +103,10 @@ class TransformerSize:
 
     SMALL: ClassVar[dict[str, Any]] = dict(hidden=64, heads=4, ffn=256, seq=32, dtype="float32")
 
-    def stack(self, layers: int, sequences: int) -> Stack:
-        """``layers`` of the scenarios' transformer layers of these sizes, trained on ``sequences`` sequences."""
-        return Stack.transformer(layers, self.hidden, self.heads, self.ffn, sequences * self.seq, self.dtype)
+    def stack(self, layers: int, sequences: int, device_type: str) -> Stack:
+        """``layers`` of the scenarios' transformer layers of these sizes, trained on ``sequences`` sequences
+        on ``device_type``."""
+        return Stack.transformer(layers, self.hidden, self.heads, self.ffn, sequences, self.seq, self.dtype, device_type)
 
 
 @dataclass

@@ -57,7 +57,7 @@ class WeightsConfig(Timing, ScenarioConfig):
     #: The small size, which runs in seconds on a CPU: what it changes here (the step counts have their own).
     SMALL = dict(layers=4, width=64, seq=16, batch=2, dtype="float32")
 
-    def memory_need(self) -> Need:
+    def memory_need(self, device_type: str) -> Need:
         """The resident training step (streaming holds less on the GPU); on the host the layers as built
         (float32, then ``dtype``), or the host layers, the streamed copy's pinned weights and gradients
         and five steps' gradients."""
