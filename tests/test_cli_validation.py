@@ -23,7 +23,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from offload_examples.instruments import bench, fit
+from offload_examples.instruments import bench, cli
 from offload_examples.__main__ import main as dispatch
 from offload_examples.instruments.cli import DTYPES, KINDS, MAX_SEED
 from offload_examples.instruments.models import has_transformer_engine
@@ -300,9 +300,9 @@ class Ran(Exception):
 @pytest.fixture
 def machine(monkeypatch):
     """This machine, as a 24 GiB CPU machine (with an 80 GB GPU where CUDA is present)."""
-    monkeypatch.setattr(fit, "host_available_bytes", lambda: 24 * GiB)
-    monkeypatch.setattr(fit, "gpu_free_bytes", lambda device, here=True: 80 * 10**9)
-    monkeypatch.delenv(fit.SKIP_ENV, raising=False)
+    monkeypatch.setattr(cli, "host_available_bytes", lambda: 24 * GiB)
+    monkeypatch.setattr(cli, "gpu_free_bytes", lambda device, here=True: 80 * 10**9)
+    monkeypatch.delenv(cli.SKIP_ENV, raising=False)
 
 
 @pytest.fixture
@@ -333,17 +333,17 @@ def test_sizes_that_cannot_fit_stop_before_anything_is_allocated(command, argv, 
         COMMANDS[command]([*argv, "--device", "cpu"])
     line = _assert_one_line_error(exit_, capsys, PREFIX[command], argv)
     assert re.search(r"the sizes need about [\d.]+ GiB of host memory.*; 24\.0 GiB is available", line), line
-    assert "lower --" in line and "--layers" in line and fit.SKIP_ENV in line  # what to change, and how to run anyway
+    assert "lower --" in line and "--layers" in line and cli.SKIP_ENV in line  # what to change, and how to run anyway
     assert not any(tmp_path.iterdir())
 
 
 def test_sizes_that_do_not_fit_the_gpu_name_its_free_memory(machine, no_run, monkeypatch, capsys):
-    monkeypatch.setattr(fit, "gpu_free_bytes", lambda device, here=True: 10 * GiB)
-    line = fit.memory_error(fit.Need(20 * GiB, GiB), [torch.device("cuda", 0)])
+    monkeypatch.setattr(cli, "gpu_free_bytes", lambda device, here=True: 10 * GiB)
+    line = cli.memory_error(cli.Need(20 * GiB, GiB), [torch.device("cuda", 0)])
     assert line.startswith("the sizes need about 20.0 GiB of GPU memory") and line.endswith("cuda:0 has 10.0 GiB free")
-    assert fit.memory_error(fit.Need(8 * GiB, GiB), [torch.device("cuda", 0)]) is None
-    monkeypatch.setenv(fit.SKIP_ENV, "1")
-    assert fit.memory_error(fit.Need(20 * GiB, GiB), [torch.device("cuda", 0)]) is None
+    assert cli.memory_error(cli.Need(8 * GiB, GiB), [torch.device("cuda", 0)]) is None
+    monkeypatch.setenv(cli.SKIP_ENV, "1")
+    assert cli.memory_error(cli.Need(20 * GiB, GiB), [torch.device("cuda", 0)]) is None
 
 
 def _configs():
@@ -355,21 +355,21 @@ def _configs():
 
 @pytest.mark.parametrize("name, config_cls", list(_configs()), ids=list(SCENARIOS))
 def test_default_sizes_fit_a_24_gib_cpu_machine_and_an_80_gb_gpu(name, config_cls, monkeypatch):
-    monkeypatch.setattr(fit, "gpu_free_bytes", lambda device, here=True: 80 * 10**9)
-    monkeypatch.delenv(fit.SKIP_ENV, raising=False)
-    monkeypatch.setattr(fit, "host_available_bytes", lambda: 24 * GiB)
-    assert fit.memory_error(config_cls.small().memory_need("cpu")) is None
-    monkeypatch.setattr(fit, "host_available_bytes", lambda: 100 * GiB)  # a GPU node's host
-    assert fit.memory_error(config_cls().memory_need("cuda"), [torch.device("cuda", 0)]) is None
+    monkeypatch.setattr(cli, "gpu_free_bytes", lambda device, here=True: 80 * 10**9)
+    monkeypatch.delenv(cli.SKIP_ENV, raising=False)
+    monkeypatch.setattr(cli, "host_available_bytes", lambda: 24 * GiB)
+    assert cli.memory_error(config_cls.small().memory_need("cpu")) is None
+    monkeypatch.setattr(cli, "host_available_bytes", lambda: 100 * GiB)  # a GPU node's host
+    assert cli.memory_error(config_cls().memory_need("cuda"), [torch.device("cuda", 0)]) is None
 
 
 def test_the_bench_default_grids_fit(monkeypatch):
-    monkeypatch.setattr(fit, "gpu_free_bytes", lambda device, here=True: 80 * 10**9)
-    monkeypatch.setattr(fit, "host_available_bytes", lambda: 24 * GiB)
-    monkeypatch.delenv(fit.SKIP_ENV, raising=False)
-    assert fit.memory_error(bench.memory_need(bench.BenchConfig.tiny(), "cpu")) is None
-    monkeypatch.setattr(fit, "host_available_bytes", lambda: 100 * GiB)
-    assert fit.memory_error(bench.memory_need(bench.BenchConfig(), "cuda"), [torch.device("cuda", 0)]) is None
+    monkeypatch.setattr(cli, "gpu_free_bytes", lambda device, here=True: 80 * 10**9)
+    monkeypatch.setattr(cli, "host_available_bytes", lambda: 24 * GiB)
+    monkeypatch.delenv(cli.SKIP_ENV, raising=False)
+    assert cli.memory_error(bench.memory_need(bench.BenchConfig.tiny(), "cpu")) is None
+    monkeypatch.setattr(cli, "host_available_bytes", lambda: 100 * GiB)
+    assert cli.memory_error(bench.memory_need(bench.BenchConfig(), "cuda"), [torch.device("cuda", 0)]) is None
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
@@ -400,7 +400,7 @@ def test_the_estimates_follow_what_a_cpu_step_holds():
         with deterministic_kernels() if math_attention else contextlib.nullcontext():
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 layer(x)
-        stack = fit.Stack.transformer(1, 64, 4, 256, 2, 48, "float32", "cpu" if math_attention else "cuda")
+        stack = cli.Stack.transformer(1, 64, 4, 256, 2, 48, "float32", "cpu" if math_attention else "cuda")
         assert abs(stack.saved_bytes() / sum(storages.values()) - 1) < 0.02, (math_attention, storages)
 
 

@@ -58,10 +58,9 @@ from offload_examples.core.streams import resolve_device
 from offload_examples.core import te_path
 from offload_examples.features.planner import KEEP, OFFLOAD, RECOMPUTE, LayerCost, LinkCost, Plan, apply_plan, plan, simulate_plan
 from offload_examples.instruments.cli import (
-    ArgumentParser, SizeError, add_device, check_memory, check_sizes, claim_output, default_device, nonnegative_int,
-    json_text, output_folder_arg, positive_int, size_error_text, write_atomic,
+    ArgumentParser, Need, SizeError, Stack, add_device, check_memory, check_sizes, claim_output, default_device,
+    json_text, nonnegative_int, output_folder_arg, positive_int, size_error_text, write_atomic,
 )
-from offload_examples.instruments.fit import Need, Stack
 from offload_examples.instruments.measure import (
     compare_grads, deterministic_kernels, measure_paired, measure_steps, paired_overhead, resident_vs_theory,
 )

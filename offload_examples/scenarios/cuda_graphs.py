@@ -35,7 +35,7 @@ import torch
 
 from offload_examples import get_cpu_offload_context
 from offload_examples.features.graphs import CapturedStep, capture_step
-from offload_examples.instruments.fit import Need
+from offload_examples.instruments.cli import Need
 from offload_examples.instruments.measure import (
     GradCheck, Measurement, compare_grads, deterministic_kernels, measure_steps, resident_vs_theory, snapshot,
     training_step,

@@ -63,9 +63,8 @@ from torch import nn
 from offload_examples import OffloadEngine, get_cpu_offload_context
 from offload_examples.features.planner import KEEP, OFFLOAD, RECOMPUTE, Plan, apply_plan, plan, simulate_plan
 from offload_examples.instruments.cli import (
-    SizeError, add_device, check_memory, default_device, nonnegative_int, positive_int,
+    Need, SizeError, add_device, check_memory, default_device, nonnegative_int, positive_int,
 )
-from offload_examples.instruments.fit import Need
 from offload_examples.instruments.measure import deterministic_kernels, resident_vs_theory
 from offload_examples.instruments.models import Checkpointed, build_basic_model
 from offload_examples.instruments.plan_costs import measure_costs, measure_link

@@ -29,8 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from offload_examples.features.optim_offload import OptimizerOffload
-from offload_examples.instruments.cli import fractions_arg
-from offload_examples.instruments.fit import Need, Stack
+from offload_examples.instruments.cli import Need, Stack, fractions_arg
 from offload_examples.instruments.measure import StepReport, training_step
 from offload_examples.instruments.models import build_linear_stack
 from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table

@@ -33,7 +33,7 @@ from torch import nn
 
 from offload_examples import get_cpu_offload_context
 from offload_examples.core.schedule import parse_order, sync_dict_for_order
-from offload_examples.instruments.fit import Need
+from offload_examples.instruments.cli import Need
 from offload_examples.instruments.measure import compare_grads, deterministic_kernels, measure_steps, resident_vs_theory
 from offload_examples.instruments.models import build_basic_model
 from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table

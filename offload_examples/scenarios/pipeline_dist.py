@@ -34,8 +34,7 @@ from torch import nn
 
 from offload_examples import get_cpu_offload_context, mark_not_offload
 from offload_examples.core.schedule import one_f_one_b_order, sync_dict_for_order
-from offload_examples.instruments.cli import check_memory
-from offload_examples.instruments.fit import Need
+from offload_examples.instruments.cli import Need, check_memory
 from offload_examples.instruments.measure import deterministic_kernels
 from offload_examples.instruments.models import build_basic_model
 from offload_examples.instruments.report import format_bytes, format_table

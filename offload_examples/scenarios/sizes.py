@@ -22,8 +22,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from offload_examples.instruments.cli import check_sizes, default_device
-from offload_examples.instruments.fit import Need, Stack
+from offload_examples.instruments.cli import Need, Stack, check_sizes, default_device
 
 __all__ = ["MicroBatches", "ScenarioConfig", "Timing", "TransformerSize"]
 
@@ -55,7 +54,7 @@ class ScenarioConfig:
 
     def memory_need(self, device_type: str) -> Need:
         """The GPU and host memory a run of these sizes on ``device_type`` (``cuda`` or ``cpu``) needs,
-        estimated from the sizes alone (see :mod:`offload_examples.instruments.fit`); each scenario
+        estimated from the sizes alone (see :func:`~offload_examples.instruments.cli.memory_error`); each scenario
         counts what it holds."""
         raise NotImplementedError(f"{type(self).__name__} does not estimate its memory")
 

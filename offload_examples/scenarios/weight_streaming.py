@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from offload_examples.features.weight_stream import StreamedLayers
-from offload_examples.instruments.fit import Need, Stack
+from offload_examples.instruments.cli import Need, Stack
 from offload_examples.instruments.measure import (
     Measurement, compare_grads, deterministic_kernels, measure_steps, training_step,
 )
