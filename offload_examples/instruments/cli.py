@@ -236,7 +236,8 @@ def size_error_text(error: ValueError, given: Collection[str]) -> str:
         return str(error)
     shown = ", ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, (list, tuple)) else v}"
                       for k, v in defaults.items())
-    return f"{error} ({shown} {'is the default' if len(defaults) == 1 else 'are the defaults'} here, not a value you gave)"
+    verb = "is the default" if len(defaults) == 1 else "are the defaults"
+    return f"{error} ({shown} {verb} here, not a value you gave)"
 
 
 def check_sizes(config: Any, offload_of: str | None = "layers") -> None:
@@ -473,7 +474,8 @@ def write_atomic(path: str | Path, text: str) -> Path:
 
 
 def _fill(fd: int, tmp: str, text: str, path: Path) -> None:
-    """Write ``text`` into the open temporary file ``fd`` (at ``tmp``) and rename it to ``path``; remove it on failure."""
+    """Write ``text`` into the open temporary file ``fd`` (at ``tmp``) and rename it to ``path``; remove it
+    on failure."""
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)

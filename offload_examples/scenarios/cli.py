@@ -144,11 +144,12 @@ def _either(names: Sequence[str]) -> str:
 def _choose_device(parser: ArgumentParser, args: argparse.Namespace, config_cls: type[C],
                    changes: dict[str, Any]) -> tuple[C, torch.device]:
     device = args.device or default_device()
-    config = make_config(parser, config_cls, changes, args.small or device.type != "cuda")
+    small = args.small or device.type != "cuda"
+    config = make_config(parser, config_cls, changes, small)
     if (why := check_kind(getattr(config, "kind", "torch"), device)) is not None:
         parser.error(why)
     import_transformer_engine()  # when installed: before CUDA starts
-    check_memory(parser, config.memory_need(device.type), [device], hint=size_hint(args, args.small or device.type != "cuda"))
+    check_memory(parser, config.memory_need(device.type), [device], hint=size_hint(args, small))
     return config, device
 
 

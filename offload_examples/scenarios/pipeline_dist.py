@@ -284,7 +284,8 @@ def _choose_backend(parser, args: argparse.Namespace, config_cls: type[DistConfi
     if importlib.util.find_spec("numpy") is None:
         parser.error("torch.distributed.pipelining needs numpy: pip install numpy")
     gpus = [torch.device("cuda", r) for r in range(config.stages)] if backend == "nccl" else []
-    check_memory(parser, config.memory_need("cuda" if backend == "nccl" else "cpu"), gpus, here=False, hint=size_hint(args, small))
+    need = config.memory_need("cuda" if backend == "nccl" else "cpu")
+    check_memory(parser, need, gpus, here=False, hint=size_hint(args, small))
     return config, backend
 
 
