@@ -28,6 +28,7 @@ BROWSER_HINT := sudo apt-get install --no-install-recommends chromium chromium-d
 setup: $(STAMP)  ## .venv with everything the tests need
 
 $(VENV)/.installed-%: pyproject.toml
+	@echo "setting up $(VENV): torch if it has none, then offload_examples$(if $(filter base,$*),,[$*]) (pip, editable)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e ".$(if $(filter base,$*),,[$*])"
