@@ -25,6 +25,7 @@ def test_scenario_cli_runs_small_and_is_correct(name, tmp_path):
         assert CPU_TIMING_NOTE in proc.stdout  # the step times are not passed off as a measurement
     assert "NumPy" not in proc.stderr  # no "Failed to initialize NumPy" warning
     report = json.loads(out.read_text())
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]  # written whole: no temporary file left beside it
     assert report["grads_equal"] is True
     assert report.get("resident_matches_theory", True) is True
     offloaded = report.get("offloaded_bytes") or sum(

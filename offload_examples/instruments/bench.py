@@ -58,7 +58,8 @@ from offload_examples.core.streams import resolve_device
 from offload_examples.core import te_path
 from offload_examples.features.planner import KEEP, OFFLOAD, RECOMPUTE, LayerCost, LinkCost, Plan, apply_plan, plan, simulate_plan
 from offload_examples.instruments.cli import (
-    ArgumentParser, add_device, check_sizes, default_device, nonnegative_int, output_folder_arg, positive_int,
+    ArgumentParser, Need, SizeError, Stack, add_device, check_memory, check_sizes, claim_output, default_device,
+    json_text, nonnegative_int, output_folder_arg, positive_int, size_error_text, write_atomic,
 )
 from offload_examples.instruments.measure import (
     compare_grads, deterministic_kernels, measure_paired, measure_steps, paired_overhead, resident_vs_theory,
@@ -68,7 +69,7 @@ from offload_examples.instruments.models import (
     TE_LAYER, Checkpointed, build_basic_model, has_transformer_engine, import_transformer_engine, layer_kind,
 )
 from offload_examples.instruments.plan_costs import measure_costs, measure_link
-from offload_examples.instruments.report import CPU_TIMING_NOTE, ProgressBar, format_bytes, format_markdown_table, write_json
+from offload_examples.instruments.report import CPU_TIMING_NOTE, ProgressBar, format_bytes, format_markdown_table
 from offload_examples.instruments.timeline import Span, achieved_gb_per_s, per_layer_ms, record_layer_timeline
 
 __all__ = ["MODELS", "PLOTS_MISSING", "STRATEGIES", "BenchConfig", "DeviceLost", "ModelSpec", "check_planner", "main", "run",
@@ -174,14 +175,16 @@ class BenchConfig:
         if not (self.models and self.ks and self.strategies):
             raise ValueError("models, ks and strategies each need at least one value")
         if self.layers < 2:
-            raise ValueError(f"layers must be at least 2 (k is between 1 and layers - 1), got {self.layers}")
+            raise SizeError(f"layers must be at least 2 (k is between 1 and layers - 1), got {self.layers}",
+                            layers=self.layers)
         unknown = [m for m in self.models if m not in MODELS] + [s for s in self.strategies if s not in STRATEGIES]
         if unknown:
             raise ValueError(f"unknown models or strategies {unknown}; models: {list(MODELS)}, "
                              f"strategies: {list(STRATEGIES)}")
         bad = [k for k in self.ks if not 1 <= k <= self.layers - 1]
         if bad:
-            raise ValueError(f"every k must be between 1 and layers - 1 = {self.layers - 1}, got {bad}")
+            raise SizeError(f"every k must be between 1 and layers - 1 = {self.layers - 1}, got {bad}",
+                            ks=self.ks, layers=self.layers)
 
 
 #: save_on_cpu on Transformer Engine's layers: the illegal access poisons the CUDA context, so every
@@ -1005,8 +1008,11 @@ def _model(args: tuple, bar: ProgressBar, units: int, isolate: bool) -> dict[str
 
 
 def run(config: BenchConfig | None = None, device: torch.device | str | None = None,
-        stream=None, isolate: bool | None = None) -> dict[str, Any]:
+        stream=None, isolate: bool | None = None,
+        partial: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run the benchmark and return everything it measured (see :func:`write_outputs`).
+
+    ``partial`` is called with the results so far after each model (to write them as they come).
 
     ``isolate`` runs each model in a fresh process (default: on CUDA). A first full-size run on the
     H100 had a previous model's 78 GiB still allocated when the next was built; and a strategy that
@@ -1039,6 +1045,8 @@ def run(config: BenchConfig | None = None, device: torch.device | str | None = N
         isolate = device.type == "cuda"
     for i, name in enumerate(config.models):
         results["models"].append(_model((name, config, device, link, i == 0, plan_link), bar, units, isolate))
+        if partial is not None:
+            partial(results)
     bar.close()
     results["targets"] = check_targets(results)
     results["planner_checks"] = check_planner(results)
@@ -1228,9 +1236,9 @@ def write_outputs(results: dict[str, Any], out: str | Path, plots: bool = True) 
     if plots and importlib.util.find_spec("matplotlib") is None:
         raise ImportError(PLOTS_MISSING)
     out = Path(out)
-    paths = [write_json(out / "bench.json", results)]
-    (out / "bench.md").write_text(markdown(results))
-    paths.append(out / "bench.md")
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [write_atomic(out / "bench.json", json_text(results)),
+             write_atomic(out / "bench.md", markdown(results))]
     if plots:
         paths += _write_plots(results, out)
     return paths
@@ -1299,14 +1307,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     device = args.device or default_device()
     changes = {k: tuple(v) if isinstance(v, list) else v for k, v in vars(args).items()
                if k in {f.name for f in dataclasses.fields(BenchConfig)} and v is not None}
+    tiny = args.tiny or device.type != "cuda"
     try:
-        config = BenchConfig.tiny(**changes) if args.tiny or device.type != "cuda" else BenchConfig(**changes)
+        config = BenchConfig.tiny(**changes) if tiny else BenchConfig(**changes)
     except ValueError as e:  # values that are fine alone but not together, e.g. a k >= --layers
-        parser.error(str(e))
+        parser.error(size_error_text(e, changes))
+    if args.ks is not None and set(config.strategies) <= {"no offload"}:
+        parser.error("--ks: 'no offload' treats no layers; add a strategy that does (or leave out --ks)")
+    if args.strategies is not None and (why := [f"{s}: {r}" for s in args.strategies if (r := available(s, device))]):
+        parser.error(f"--strategies {'; '.join(why)}")
     import_transformer_engine()  # before CUDA starts, when installed
-    results = run(config, device)
-    print(markdown(results))
-    for path in write_outputs(results, args.out, plots=not args.no_plots):
+    check_memory(parser, memory_need(config, device.type), [device],
+                 hint=f"{'' if tiny else 'use --tiny or '}lower --layers, or choose smaller --models")
+    with claim_output(parser, "--out", args.out / "bench.json") as out:
+        results = run(config, device, partial=lambda r: out.write_json({**r, "partial": True}))
+        print(markdown(results))
+        paths = write_outputs(results, args.out, plots=not args.no_plots)
+    for path in paths:
         print(f"wrote {path}")
     if any(r["status"] == "failed" for m in results["models"] for r in m["runs"]):
         print("some strategies failed; see the table", file=sys.stderr)
@@ -1315,3 +1332,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             print(f"model {m['model']}: left out after they left the device unusable: {', '.join(m['left_out'])}",
                   file=sys.stderr)
     return results
+
+
+def memory_need(config: BenchConfig, device_type: str) -> Need:
+    """What the grid needs: its largest model's no-offload step (the models run one after another); on the
+    host that model as built (float32), or the pinned buffers of the largest ``k`` and four steps' gradients."""
+    specs = [MODELS[m].small() if config.small else MODELS[m] for m in config.models]
+    stacks = [Stack.transformer(config.layers, spec.hidden, spec.heads, spec.ffn, spec.batch, config.seq, config.dtype,
+                                device_type) for spec in specs]
+    host = max(max(s.build_bytes, s.saved_bytes(max(config.ks)) + s.copies_bytes(4)) for s in stacks)
+    return Need(max(s.step_bytes() for s in stacks), host)

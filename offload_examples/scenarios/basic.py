@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from offload_examples import get_cpu_offload_context
+from offload_examples.instruments.cli import Need
 from offload_examples.instruments.measure import compare_grads, deterministic_kernels, measure_steps, resident_vs_theory
 from offload_examples.instruments.models import build_basic_model
 from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table
@@ -49,6 +50,12 @@ class BasicConfig(TransformerSize, Timing, ScenarioConfig):
 
     #: The small size, which runs in seconds on a CPU: what it changes here (the shared sizes have their own).
     SMALL = dict(layers=6, offload=2, batch=4, kind="torch")
+
+    def memory_need(self, device_type: str) -> Need:
+        """A training step; on the host the model as built (float32), or the offloaded layers' pinned
+        buffers and four steps' gradients (two measured runs and the gradient check)."""
+        s = self.stack(self.layers, self.batch, device_type)
+        return Need(s.step_bytes(), max(s.build_bytes, s.saved_bytes(self.offload) + s.copies_bytes(4)))
 
 
 def run(config: BasicConfig | None = None, device: torch.device | str | None = None,

@@ -12,6 +12,7 @@ with one line on standard error and exit code 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import os
 import json
@@ -26,14 +27,14 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch
 
 from offload_examples.instruments.cli import (
-    DTYPES, KINDS, ArgumentParser, add_device, add_json, check_kind, default_device, field_int_arg,
+    DTYPES, KINDS, ArgumentParser, add_device, add_json, check_kind, check_memory, claim_output, default_device,
+    field_int_arg, size_error_text,
 )
 from offload_examples.instruments.models import import_transformer_engine
-from offload_examples.instruments.report import write_json
 from offload_examples.scenarios.sizes import ScenarioConfig
 
-__all__ = ["DEVICE", "Placement", "ScenarioConfig", "add_config_options", "free_port", "report_header", "scenario_main",
-           "rank_results", "spawn_ranks"]
+__all__ = ["DEVICE", "Placement", "ScenarioConfig", "add_config_options", "free_port", "make_config", "report_header",
+           "scenario_main", "rank_results", "size_hint", "spawn_ranks"]
 
 C = TypeVar("C", bound=ScenarioConfig)
 
@@ -111,16 +112,44 @@ def _device_options(parser: argparse.ArgumentParser) -> None:
                         help="use the small CPU-sized model on any device (the default on a CPU)")
 
 
+#: The size fields that memory grows with, in the order a hint names them.
+MEMORY_FIELDS = ("batch", "micro_batch", "microbatches", "seq", "hidden", "ffn", "width", "layers", "layers_per_stage",
+                 "checks")
+
+
+def make_config(parser: ArgumentParser, config_cls: type[C], changes: dict[str, Any], small: bool) -> C:
+    """``config_cls`` at the small size (``small``) or the full one, with ``changes`` (the values typed).
+
+    A size that cannot run ends the command in one line that says which of the values it names were
+    not typed but defaults (:func:`~offload_examples.instruments.cli.size_error_text`).
+    """
+    try:
+        return config_cls.small(**changes) if small else config_cls(**changes)
+    except ValueError as e:  # values that are fine alone but not together, e.g. --offload >= --layers
+        parser.error(size_error_text(e, changes))
+
+
+def size_hint(args: argparse.Namespace, small: bool) -> str:
+    """What to change when a scenario's sizes do not fit: ``--small`` (unless ``small`` already) and the
+    command's options that memory grows with."""
+    options = [f"--{f.replace('_', '-')}" for f in MEMORY_FIELDS if hasattr(args, f)]
+    parts = ([] if small else ["use --small"]) + ([f"lower {_either(options)}"] if options else [])
+    return " or ".join(parts) or "nothing here is smaller (use a machine with more memory)"
+
+
+def _either(names: Sequence[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
 def _choose_device(parser: ArgumentParser, args: argparse.Namespace, config_cls: type[C],
                    changes: dict[str, Any]) -> tuple[C, torch.device]:
     device = args.device or default_device()
-    try:
-        config = config_cls.small(**changes) if args.small else config_cls.for_device(device, **changes)
-    except ValueError as e:  # values that are fine alone but not together, e.g. --offload >= --layers
-        parser.error(str(e))
+    small = args.small or device.type != "cuda"
+    config = make_config(parser, config_cls, changes, small)
     if (why := check_kind(getattr(config, "kind", "torch"), device)) is not None:
         parser.error(why)
     import_transformer_engine()  # when installed: before CUDA starts
+    check_memory(parser, config.memory_need(device.type), [device], hint=size_hint(args, small))
     return config, device
 
 
@@ -168,13 +197,17 @@ def scenario_main(
     fields = dataclasses.fields(config_cls)
     changes = {f.name: getattr(args, f.name) for f in fields if getattr(args, f.name, None) is not None}
     config, where = placement.choose(parser, args, config_cls, changes)
-    if placement.progress:
-        report = run(config, where, progress=lambda s: print(s, flush=True))
-    else:
-        report = run(config, where)
-    print(format_report(report))
-    if args.json:  # pictures' raw data (timelines) stay out of the JSON
-        print(f"wrote {write_json(args.json, {k: v for k, v in report.items() if k not in ('timeline', 'events')})}")
+    with claim_output(parser, "--json", args.json) or contextlib.nullcontext() as out:
+        if placement.progress:
+            report = run(config, where, progress=lambda s: print(s, flush=True))
+        else:
+            report = run(config, where)
+        if out is not None:  # first, so that a failure printing the report cannot lose it
+            # pictures' raw data (timelines) stay out of the JSON
+            out.write_json({k: v for k, v in report.items() if k not in ("timeline", "events")})
+        print(format_report(report))
+    if out is not None:
+        print(f"wrote {out.path}")
     if not report["grads_equal"]:
         sys.exit(failure)
     return report

@@ -35,6 +35,7 @@ import torch
 
 from offload_examples import get_cpu_offload_context
 from offload_examples.features.graphs import CapturedStep, capture_step
+from offload_examples.instruments.cli import Need
 from offload_examples.instruments.measure import (
     GradCheck, Measurement, compare_grads, deterministic_kernels, measure_steps, resident_vs_theory, snapshot,
     training_step,
@@ -65,6 +66,14 @@ class GraphsConfig(TransformerSize, ScenarioConfig):
 
     #: The small size, which runs in seconds on a CPU: what it changes here (the shared sizes have their own).
     SMALL = dict(layers=4, ffn=128, seq=16, batch=2, replays=3, checks=3, warmup=1)
+
+    def memory_need(self, device_type: str) -> Need:
+        """An eager step, and the captured step's private pool holding a step's activations too, with
+        ``checks`` inputs; on the host the pinned buffers and the gradients of ``checks`` references and
+        three steps."""
+        s = self.stack(self.layers, self.batch, device_type)
+        device = s.step_bytes() + s.saved_bytes(self.layers + 1) + self.checks * s.io_bytes
+        return Need(device, max(s.build_bytes, s.saved_bytes(self.offload) + s.copies_bytes(self.checks + 3)))
 
 
 def _check_all(refs: list[Measurement], inputs: list[torch.Tensor], step: Callable[[torch.Tensor], Measurement]

@@ -62,7 +62,9 @@ from torch import nn
 
 from offload_examples import OffloadEngine, get_cpu_offload_context
 from offload_examples.features.planner import KEEP, OFFLOAD, RECOMPUTE, Plan, apply_plan, plan, simulate_plan
-from offload_examples.instruments.cli import add_device, default_device, nonnegative_int, positive_int
+from offload_examples.instruments.cli import (
+    Need, SizeError, add_device, check_memory, default_device, nonnegative_int, positive_int,
+)
 from offload_examples.instruments.measure import deterministic_kernels, resident_vs_theory
 from offload_examples.instruments.models import Checkpointed, build_basic_model
 from offload_examples.instruments.plan_costs import measure_costs, measure_link
@@ -74,7 +76,9 @@ from offload_examples.instruments.timeline import (
     prefetch_summary,
     stream_spans_from_trace,
 )
-from offload_examples.scenarios.cli import Placement, free_port, rank_results, report_header, scenario_main, spawn_ranks
+from offload_examples.scenarios.cli import (
+    Placement, free_port, make_config, rank_results, report_header, scenario_main, size_hint, spawn_ranks,
+)
 from offload_examples.scenarios.sizes import ScenarioConfig, Timing, TransformerSize
 
 if TYPE_CHECKING:
@@ -138,19 +142,35 @@ class FsdpConfig(TransformerSize, Timing, ScenarioConfig):
     #: The small size, which runs in seconds on a CPU: what it changes here (the shared sizes have their own).
     SMALL = dict(world=2, layers=4, offload=2, batch=2)
 
+    def memory_need(self, device_type: str) -> Need:
+        """Per rank: the layers as built whole, then their shards of parameters, gradients and AdamW's
+        two moments (whole, and DDP's buckets, with ``ddp``), two layers gathered, and a training step's
+        activations; with a fraction ``plan`` rank 0 first measures a step of the whole layers. On the
+        host the layers as built (float32), or the pinned buffers and both runs' gradients and updated
+        parameters (and the optimizer's state with ``cpu_params``)."""
+        s = self.stack(self.layers, self.batch, device_type)
+        world = self.world or 1
+        shard = s.param_bytes if self.wrap == "ddp" else s.param_bytes // world
+        weights = 5 * shard if self.wrap == "ddp" else s.param_bytes + 4 * shard + 2 * s.param_bytes // self.layers
+        device = max(weights + s.saved_bytes(self.layers + 1) + 3 * s.io_bytes,
+                     s.step_bytes() if isinstance(self.plan, float) else 0)
+        host = s.saved_bytes(self.offload) + 4 * shard + (4 * shard if self.cpu_params else 0)
+        return Need(device, max(s.build_bytes, host), world)
+
     def check(self) -> None:
         if self.wrap not in ("fsdp", "ddp"):
             raise ValueError(f"wrap must be 'fsdp' or 'ddp', got {self.wrap!r}")
         if self.checkpoint is not None and self.checkpoint > self.layers:
-            raise ValueError(f"checkpoint ({self.checkpoint}) must be at most layers ({self.layers})")
+            raise SizeError(f"checkpoint ({self.checkpoint}) must be at most layers ({self.layers})",
+                            checkpoint=self.checkpoint, layers=self.layers)
         if self.wrap == "ddp" and not self.reshard_after_forward:
             raise ValueError("--no-reshard-after-forward is an FSDP option: DDP keeps whole parameters (use --wrap fsdp)")
         if self.wrap == "ddp" and self.cpu_params:
             raise ValueError("--cpu-params is FSDP's CPUOffloadPolicy: it needs --wrap fsdp")
         if isinstance(self.plan, str):
             if len(self.plan) != self.layers or set(self.plan) - set("KOR") or self.plan[-1] == "O":
-                raise ValueError(f"plan {self.plan!r}: one letter per layer ({self.layers}) of K (keep), O (offload) "
-                                 "and R (recompute), the last not O")
+                raise SizeError(f"plan {self.plan!r}: one letter per layer ({self.layers}) of K (keep), O (offload) "
+                                "and R (recompute), the last not O", plan=self.plan, layers=self.layers)
         elif self.plan is not None and not 0 < self.plan <= 1:
             raise ValueError(f"plan is a fraction of the saved activations' peak, 0 < plan <= 1; got {self.plan}")
         if self.plan is not None and self.checkpoint is not None:
@@ -796,11 +816,12 @@ def _choose(parser, args: argparse.Namespace, config_cls: type[FsdpConfig], chan
     torchrun = under_torchrun()
     if torchrun and args.world not in (None, int(os.environ["WORLD_SIZE"])):
         parser.error(f"--world {args.world} but torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']} ranks")
-    changes.setdefault("world", default_world(device.type))
-    try:
-        config = config_cls.small(**changes) if args.small else config_cls.for_device(device, **changes)
-    except ValueError as e:
-        parser.error(str(e))
+    if args.plan is not None and args.offload is not None:
+        parser.error("--plan chooses which layers to offload itself: leave out --offload (or --plan)")
+    if args.wrap == "ddp" and args.reshard_after_forward:
+        parser.error("--reshard-after-forward is an FSDP option: DDP keeps whole parameters (use --wrap fsdp)")
+    small = args.small or device.type != "cuda"
+    config = make_config(parser, config_cls, {"world": default_world(device.type), **changes}, small)
     if device.type == "cuda" and not torchrun and config.world > torch.cuda.device_count():
         parser.error(f"--world {config.world} needs one GPU per rank; {torch.cuda.device_count()} visible")
     if device.type == "cpu" and config.world > (most := max(4, os.cpu_count() or 1)):
@@ -816,6 +837,14 @@ def _choose(parser, args: argparse.Namespace, config_cls: type[FsdpConfig], chan
         except ImportError:
             parser.error(f"--wrap fsdp needs torch >= 2.6 (torch.distributed.fsdp.fully_shard); this is "
                          f"{torch.__version__} (use --wrap ddp)")
+    need = config.memory_need(device.type)
+    if torchrun:  # this process is one rank on its own GPU; the host is shared by this node's ranks
+        local = int(os.environ["LOCAL_RANK"])
+        gpus = [torch.device("cuda", local)] if device.type == "cuda" else []
+        need = need.per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", config.world)))
+    else:
+        gpus = [torch.device("cuda", r) for r in range(config.world)] if device.type == "cuda" else []
+    check_memory(parser, need, gpus, here=torchrun, hint=size_hint(args, small))
     return config, Launch(device.type, torchrun)
 
 

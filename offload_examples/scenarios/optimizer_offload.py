@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from offload_examples.features.optim_offload import OptimizerOffload
-from offload_examples.instruments.cli import fractions_arg
+from offload_examples.instruments.cli import Need, Stack, fractions_arg
 from offload_examples.instruments.measure import StepReport, training_step
 from offload_examples.instruments.models import build_linear_stack
 from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table
@@ -54,6 +54,13 @@ class OptimizerConfig(Timing, ScenarioConfig):
 
     #: The small size, which runs in seconds on a CPU: what it changes here (the step counts have their own).
     SMALL = dict(layers=3, width=32, seq=8, batch=2, steps=4)
+
+    def memory_need(self, device_type: str) -> Need:
+        """A training step with Adam's two moments and four inputs; on the host the parameters after the
+        first and the last step of every run, and Adam's moments and the gradients of the offloaded part."""
+        s = Stack.linear(self.layers, self.width, self.batch * self.seq, "float32")
+        kept = 2 * (1 + len(self.fractions)) * s.param_bytes
+        return Need(s.step_bytes(states=2) + 3 * s.io_bytes, max(s.build_bytes, kept + 3 * s.param_bytes))
 
     def check(self) -> None:
         if not self.fractions or not all(math.isfinite(f) and 0.0 <= f <= 1.0 for f in self.fractions):

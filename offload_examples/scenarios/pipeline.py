@@ -33,6 +33,7 @@ from torch import nn
 
 from offload_examples import get_cpu_offload_context
 from offload_examples.core.schedule import parse_order, sync_dict_for_order
+from offload_examples.instruments.cli import Need
 from offload_examples.instruments.measure import compare_grads, deterministic_kernels, measure_steps, resident_vs_theory
 from offload_examples.instruments.models import build_basic_model
 from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table
@@ -63,6 +64,15 @@ class PipelineConfig(TransformerSize, MicroBatches, Timing, ScenarioConfig):
 
     #: The small size, which runs in seconds on a CPU: what it changes here (the shared sizes have their own).
     SMALL = dict(kind="torch")
+
+    def memory_need(self, device_type: str) -> Need:
+        """One layer holding what every micro-batch saves (no offloading), plus one micro-batch's backward
+        temporaries, and the inputs; on the host three engines' pinned buffers (each up to every
+        micro-batch) and eight steps' gradients."""
+        one = self.stack(1, self.micro_batch, device_type)
+        every = self.stack(1, self.microbatches * self.micro_batch, device_type)
+        device = 2 * every.param_bytes + every.saved_bytes() + one.saved_bytes() + 3 * every.io_bytes
+        return Need(device, max(every.build_bytes, 3 * every.saved_bytes() + every.copies_bytes(8)))
 
     def check(self) -> None:
         if self.microbatches != 8:

@@ -34,10 +34,13 @@ from torch import nn
 
 from offload_examples import get_cpu_offload_context, mark_not_offload
 from offload_examples.core.schedule import one_f_one_b_order, sync_dict_for_order
+from offload_examples.instruments.cli import Need, check_memory
 from offload_examples.instruments.measure import deterministic_kernels
 from offload_examples.instruments.models import build_basic_model
 from offload_examples.instruments.report import format_bytes, format_table
-from offload_examples.scenarios.cli import Placement, free_port, rank_results, scenario_main, spawn_ranks
+from offload_examples.scenarios.cli import (
+    Placement, free_port, make_config, rank_results, scenario_main, size_hint, spawn_ranks,
+)
 from offload_examples.scenarios.sizes import MicroBatches, ScenarioConfig, TransformerSize
 
 __all__ = ["DistConfig", "OffloadedStage", "expand_order", "format_report", "main", "run"]
@@ -56,6 +59,14 @@ class DistConfig(TransformerSize, MicroBatches, ScenarioConfig):
     #: The small size, which runs in seconds on a CPU: what it changes here (the shared sizes have their own).
     SMALL = dict(layers_per_stage=3, offload=1, steps=2)
     OFFLOAD_OF = "layers_per_stage"
+
+    def memory_need(self, device_type: str) -> Need:
+        """Per stage (one rank each): the whole model as every rank builds it before keeping its stage, or a
+        training step of its layers on every micro-batch; on the host the whole model as built (float32),
+        or its pinned buffers and two steps' gradients."""
+        s = self.stack(self.layers_per_stage, self.microbatches * self.micro_batch, device_type)
+        host = max(self.stages * s.build_bytes, s.saved_bytes(self.offload) + s.copies_bytes(2))
+        return Need(max(self.stages * s.param_bytes, s.step_bytes()), host, self.stages)
 
     def check(self) -> None:
         if self.stages < 2:
@@ -262,7 +273,8 @@ def _choose_backend(parser, args: argparse.Namespace, config_cls: type[DistConfi
         parser.error(f"--device {args.device} means --backend {backend}, but --backend {args.backend} was given")
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "gloo"
-    config = config_cls.small(**changes) if args.small or backend == "gloo" else config_cls(**changes)
+    small = args.small or backend == "gloo"
+    config = make_config(parser, config_cls, changes, small)
     if backend == "nccl" and (not torch.cuda.is_available() or torch.cuda.device_count() < config.stages):
         visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
         asked = "--device cuda" if args.device else "--backend nccl"
@@ -271,6 +283,9 @@ def _choose_backend(parser, args: argparse.Namespace, config_cls: type[DistConfi
         parser.error("this torch is built without torch.distributed")
     if importlib.util.find_spec("numpy") is None:
         parser.error("torch.distributed.pipelining needs numpy: pip install numpy")
+    gpus = [torch.device("cuda", r) for r in range(config.stages)] if backend == "nccl" else []
+    need = config.memory_need("cuda" if backend == "nccl" else "cpu")
+    check_memory(parser, need, gpus, here=False, hint=size_hint(args, small))
     return config, backend
 
 

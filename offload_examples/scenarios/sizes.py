@@ -22,7 +22,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from offload_examples.instruments.cli import check_sizes, default_device
+from offload_examples.instruments.cli import Need, Stack, check_sizes, default_device
 
 __all__ = ["MicroBatches", "ScenarioConfig", "Timing", "TransformerSize"]
 
@@ -51,6 +51,12 @@ class ScenarioConfig:
 
     def check(self) -> None:
         """Raise ``ValueError`` for values this scenario cannot run (beyond the shared checks)."""
+
+    def memory_need(self, device_type: str) -> Need:
+        """The GPU and host memory a run of these sizes on ``device_type`` (``cuda`` or ``cpu``) needs,
+        estimated from the sizes alone (see :func:`~offload_examples.instruments.cli.memory_error`); each scenario
+        counts what it holds."""
+        raise NotImplementedError(f"{type(self).__name__} does not estimate its memory")
 
     @classmethod
     def small_values(cls) -> dict[str, Any]:
@@ -95,6 +101,11 @@ class TransformerSize:
     dtype: str = "bfloat16"
 
     SMALL: ClassVar[dict[str, Any]] = dict(hidden=64, heads=4, ffn=256, seq=32, dtype="float32")
+
+    def stack(self, layers: int, sequences: int, device_type: str) -> Stack:
+        """``layers`` of the scenarios' transformer layers of these sizes, trained on ``sequences`` sequences
+        on ``device_type``."""
+        return Stack.transformer(layers, self.hidden, self.heads, self.ffn, sequences, self.seq, self.dtype, device_type)
 
 
 @dataclass

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from offload_examples.features.weight_stream import StreamedLayers
+from offload_examples.instruments.cli import Need, Stack
 from offload_examples.instruments.measure import (
     Measurement, compare_grads, deterministic_kernels, measure_steps, training_step,
 )
@@ -55,6 +56,13 @@ class WeightsConfig(Timing, ScenarioConfig):
 
     #: The small size, which runs in seconds on a CPU: what it changes here (the step counts have their own).
     SMALL = dict(layers=4, width=64, seq=16, batch=2, dtype="float32")
+
+    def memory_need(self, device_type: str) -> Need:
+        """The resident training step (streaming holds less on the GPU); on the host the layers as built
+        (float32, then ``dtype``), or the host layers, the streamed copy's pinned weights and gradients
+        and five steps' gradients."""
+        s = Stack.linear(self.layers, self.width, self.batch * self.seq, self.dtype)
+        return Need(s.step_bytes(), max(s.build_bytes + s.param_bytes, 3 * s.param_bytes + s.copies_bytes(5)))
 
 
 def _by_position(m: Measurement) -> Measurement:
