@@ -305,7 +305,7 @@ def server(site):
 
 
 #: How to install the browser (what `make test` prints where it cannot install it itself).
-BROWSER_HINT = "sudo apt-get install chromium chromium-driver"
+BROWSER_HINT = "sudo apt-get install --no-install-recommends chromium chromium-driver"
 #: The page width the layout is checked at: a common laptop screen.
 WIDTH = 1280
 

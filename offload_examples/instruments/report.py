@@ -47,11 +47,12 @@ def format_table(rows: Sequence[Sequence[Any]], header: Sequence[str] | None = N
 
 
 def write_json(path: str | Path, data: dict[str, Any]) -> Path:
-    """Write ``data`` as indented JSON, creating parent folders."""
+    """Write ``data`` as indented JSON, creating parent folders; a failure part-way leaves the old file."""
+    from offload_examples.instruments.cli import write_atomic
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
-    return path
+    return write_atomic(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
 def format_markdown_table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:

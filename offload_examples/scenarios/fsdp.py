@@ -771,7 +771,8 @@ def _prefetch_lines(r: dict[str, Any]) -> list[str]:
                     "compute waited for them")))
         median = "n/a" if p["median_delay_ms"] is None else f"{p['median_delay_ms']:+.3f} ms"
         lines.append(f"delay from offloading: median all-gather {median}, compute's wait {p['wait_delay_ms']:+.3f} ms")
-    lines.append(f"timeline picture: {r.get('timeline_png') or r.get('timeline_note') or 'none'}")
+    picture = r.get("timeline_png")
+    lines.append(f"timeline picture: {Path(picture).name if picture else r.get('timeline_note') or 'none'}")
     return lines
 
 
