@@ -12,6 +12,7 @@ import torch
 
 from offload_examples import DefaultSchedule, get_cpu_offload_context
 from offload_examples.instruments import bench, models
+from offload_examples.instruments.bench import faults, isolation, model_grid, planner_bench, protocol, strategies, tables
 from offload_examples.instruments.measure import training_step
 from offload_examples.instruments.memory_history import MemoryCurve, curve_from_snapshot, record_memory_curve
 from offload_examples.instruments.models import TE_LAYER, TORCH_LAYER, build_linear_stack
@@ -77,17 +78,17 @@ def test_bench_tiny_end_to_end(tmp_path):
 
 def test_bench_cli_and_a_failing_strategy(tmp_path, monkeypatch, capsys):
     """A strategy that raises is reported as failed and the others still run."""
-    real = bench.make_forward
+    real = strategies.make_forward
 
     def broken(strategy, *args):
         if strategy == "save_on_cpu":
             raise RuntimeError("boom")
         return real(strategy, *args)
 
-    monkeypatch.setattr(bench, "make_forward", broken)
+    monkeypatch.setattr(strategies, "make_forward", broken)
     # main() imports Transformer Engine first; in this process CUDA may have started already
     imported = []
-    monkeypatch.setattr(bench, "import_transformer_engine", lambda: imported.append(True))
+    monkeypatch.setattr(bench.cli, "import_transformer_engine", lambda: imported.append(True))
     results = bench.main(["--tiny", "--models", "B", "--ks", "1", "--out", str(tmp_path)])
     assert imported == [True]
     runs = {r["strategy"]: r for r in results["models"][0]["runs"]}
@@ -100,7 +101,7 @@ def test_bench_cli_and_a_failing_strategy(tmp_path, monkeypatch, capsys):
 def test_a_strategy_that_leaves_the_device_unusable_is_left_out_and_the_model_starts_again(monkeypatch):
     """After a sticky CUDA error (an illegal memory access) every later run of the process fails too:
     the model's grid starts again without that strategy, whose rows say why; the others all run."""
-    real, lost = bench.make_forward, []
+    real, lost = strategies.make_forward, []
 
     def crashing(strategy, *args):
         if strategy == "save_on_cpu":
@@ -108,12 +109,12 @@ def test_a_strategy_that_leaves_the_device_unusable_is_left_out_and_the_model_st
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         return real(strategy, *args)
 
-    monkeypatch.setattr(bench, "make_forward", crashing)
-    monkeypatch.setattr(bench, "device_usable", lambda device: not lost)  # unusable from the crash on
+    monkeypatch.setattr(strategies, "make_forward", crashing)
+    monkeypatch.setattr(faults, "device_usable", lambda device: not lost)  # unusable from the crash on
     config = bench.BenchConfig.tiny(models=("B",), ks=(1, 2), strategies=("no offload", "save_on_cpu", "checkpoint"))
     out = io.StringIO()
     first_try = []
-    monkeypatch.setattr(bench, "_bench_model", _recording(bench._bench_model, first_try, lost))
+    monkeypatch.setattr(model_grid, "_bench_model", _recording(model_grid._bench_model, first_try, lost))
     results = bench.run(config, "cpu", stream=out)
     runs = {(r["strategy"], r["k"]): r for r in results["models"][0]["runs"]}
     assert first_try == [set(), {"save_on_cpu"}]  # the second try leaves it out
@@ -125,24 +126,24 @@ def test_a_strategy_that_leaves_the_device_unusable_is_left_out_and_the_model_st
     assert results["models"][0]["left_out"].keys() == {"save_on_cpu"}
     assert "starting again without save_on_cpu" in out.getvalue() and "5/5 done" in out.getvalue()
     # on a GPU the process that lost its device cannot go on: only isolated models restart
-    monkeypatch.setattr(bench, "_measured_model", lambda *a: {"device_lost": bench.DeviceLost("save_on_cpu", 1, "x")})
+    monkeypatch.setattr(isolation, "_measured_model", lambda *a: {"device_lost": bench.DeviceLost("save_on_cpu", 1, "x")})
     with pytest.raises(RuntimeError, match="isolate=True"):
-        bench._model(("B", config, torch.device("cuda"), None, False, None), ProgressBar(5, io.StringIO()), 5, False)
+        isolation._model(("B", config, torch.device("cuda"), None, False, None), ProgressBar(5, io.StringIO()), 5, False)
 
 
 def test_a_lost_device_in_the_planner_or_a_pair_by_pair_run_leaves_out_only_that_run(monkeypatch):
     """The planner's costs, and the engine against TE pair by pair, run outside the strategies' rows: a
     lost device there leaves out the planner, or the pairs, and every other row still runs."""
-    lost, real_forward = [], bench.make_forward
-    monkeypatch.setattr(bench, "device_usable", lambda device: not lost)
+    lost, real_forward = [], strategies.make_forward
+    monkeypatch.setattr(faults, "device_usable", lambda device: not lost)
 
     def costs_crash(*args):
         lost.append(True)
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     seen = []
-    monkeypatch.setattr(bench, "_bench_model", _recording(bench._bench_model, seen, lost))
-    monkeypatch.setattr(bench, "_planner_setup", costs_crash)
+    monkeypatch.setattr(model_grid, "_bench_model", _recording(model_grid._bench_model, seen, lost))
+    monkeypatch.setattr(planner_bench, "_planner_setup", costs_crash)
     config = bench.BenchConfig.tiny(models=("B",), ks=(1,), strategies=("no offload", "engine", "planner"))
     out = io.StringIO()
     results = bench.run(config, "cpu", stream=out)
@@ -153,13 +154,13 @@ def test_a_lost_device_in_the_planner_or_a_pair_by_pair_run_leaves_out_only_that
     assert "5/5 done" in out.getvalue()
 
     # model A, where the engine meets Transformer Engine pair by pair (TE's own rows made to look run)
-    monkeypatch.setattr(bench, "_both_ran", lambda runs, k: True)
+    monkeypatch.setattr(model_grid, "_both_ran", lambda runs, k: True)
     def alternating_crash(*args, **kwargs):
         lost.append(True)
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(bench, "_alternating", alternating_crash)
-    monkeypatch.setattr(bench, "make_forward", lambda strategy, *a: (lambda x: x, None)
+    monkeypatch.setattr(protocol, "_alternating", alternating_crash)
+    monkeypatch.setattr(strategies, "make_forward", lambda strategy, *a: (lambda x: x, None)
                         if strategy == "transformer_engine" else real_forward(strategy, *a))
     seen.clear()
     config = bench.BenchConfig.tiny(models=("A",), ks=(2,), strategies=("no offload", "engine"))
@@ -181,9 +182,9 @@ def _recording(real, seen, lost):
 def test_a_reason_fits_one_table_row():
     """CUDA's errors go on with lines of advice; a row of the Markdown table takes the first line only."""
     err = RuntimeError("CUDA error: an illegal memory access was encountered\nSearch for `cudaErrorIllegalAddress'\n")
-    assert bench._reason(err) == "RuntimeError: CUDA error: an illegal memory access was encountered"
-    assert bench._reason(ValueError()) == "ValueError"
-    lost = bench.DeviceLost("torchtune", 2, bench._reason(err))
+    assert faults._reason(err) == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert faults._reason(ValueError()) == "ValueError"
+    lost = bench.DeviceLost("torchtune", 2, faults._reason(err))
     assert "\n" not in lost.why("A")
 
 
@@ -201,13 +202,13 @@ def test_device_lost_travels_between_processes():
 def test_a_strategy_with_other_gradients_is_reported(monkeypatch):
     """Each row compares one step's output and gradients with a plain step's, bit for bit: a strategy that
     changes them (here: a scaled output) says how many differ, in its row and in the table."""
-    real = bench.make_forward
+    real = strategies.make_forward
 
     def off_by_a_bit(strategy, *args):
         forward, engine = real(strategy, *args)
         return ((lambda x: forward(x) * 1.001) if strategy == "checkpoint" else forward), engine
 
-    monkeypatch.setattr(bench, "make_forward", off_by_a_bit)
+    monkeypatch.setattr(strategies, "make_forward", off_by_a_bit)
     config = bench.BenchConfig.tiny(models=("B",), ks=(1,), strategies=("no offload", "engine", "checkpoint"))
     results = bench.run(config, "cpu", stream=io.StringIO())
     runs = {r["strategy"]: r for r in results["models"][0]["runs"]}
@@ -222,7 +223,7 @@ def test_a_strategy_with_other_gradients_is_reported(monkeypatch):
 def test_a_strategy_that_changes_its_input_is_not_reported_equal(monkeypatch):
     """A strategy that writes to the input after its step would see its own change in both steps of the
     check: the row compares the input and weights with copies taken before the strategy first ran."""
-    real_forward, real_step = bench.make_forward, bench._step
+    real_forward, real_step = strategies.make_forward, strategies._step
 
     def marked(strategy, *args):
         forward, engine = real_forward(strategy, *args)
@@ -243,8 +244,8 @@ def test_a_strategy_that_changes_its_input_is_not_reported_equal(monkeypatch):
             return out
         return step_then_write
 
-    monkeypatch.setattr(bench, "make_forward", marked)
-    monkeypatch.setattr(bench, "_step", step)
+    monkeypatch.setattr(strategies, "make_forward", marked)
+    monkeypatch.setattr(strategies, "_step", step)
     config = bench.BenchConfig.tiny(models=("B",), ks=(1,), strategies=("no offload", "checkpoint"))
     results = bench.run(config, "cpu", stream=io.StringIO())
     g = {r["strategy"]: r for r in results["models"][0]["runs"]}["checkpoint"]["grads"]
@@ -254,13 +255,13 @@ def test_a_strategy_that_changes_its_input_is_not_reported_equal(monkeypatch):
 
 def test_a_strategy_that_loses_a_gradient_differs(monkeypatch):
     """A gradient missing from the strategy's step is a difference, not a comparison that could not be made."""
-    real = bench.make_forward
+    real = strategies.make_forward
 
     def detached_input(strategy, *args):
         forward, engine = real(strategy, *args)
         return ((lambda x: forward(x.detach())) if strategy == "checkpoint" else forward), engine
 
-    monkeypatch.setattr(bench, "make_forward", detached_input)
+    monkeypatch.setattr(strategies, "make_forward", detached_input)
     config = bench.BenchConfig.tiny(models=("B",), ks=(1,), strategies=("no offload", "checkpoint"))
     results = bench.run(config, "cpu", stream=io.StringIO())
     g = {r["strategy"]: r for r in results["models"][0]["runs"]}["checkpoint"]["grads"]
@@ -270,7 +271,7 @@ def test_a_strategy_that_loses_a_gradient_differs(monkeypatch):
 
 def test_transformer_engines_offload_is_skipped_on_torch_layers(monkeypatch):
     """TE's offload raised on PyTorch's layers and kept ~77 GiB allocated on the H100: skipped, with why."""
-    monkeypatch.setattr(bench, "has_transformer_engine", lambda: True)
+    monkeypatch.setattr(strategies, "has_transformer_engine", lambda: True)
     cuda = torch.device("cuda")
     assert bench.available("transformer_engine", cuda, TORCH_LAYER) == bench.TE_ON_TORCH_LAYERS
     assert bench.available("transformer_engine", cuda, TE_LAYER) is None
@@ -285,7 +286,7 @@ def test_save_on_cpu_is_skipped_on_transformer_engine_layers(monkeypatch):
         assert bench.available("save_on_cpu", device) is None
     assert "CUDA illegal memory access" in bench.SAVE_ON_CPU_ON_TE
     # the bench passes each model's layer kind down to its runs and reports it
-    monkeypatch.setattr(bench, "layer_kind", lambda kind: TE_LAYER)
+    monkeypatch.setattr(model_grid, "layer_kind", lambda kind: TE_LAYER)
     config = bench.BenchConfig.tiny(models=("B",), ks=(1,), strategies=("no offload", "save_on_cpu", "checkpoint"))
     results = bench.run(config, "cpu", stream=io.StringIO())
     model = results["models"][0]
@@ -349,10 +350,10 @@ def test_held_bytes_per_layer_by_hand(cuda):
     batch, width = 64, 256
     model = build_linear_stack(3, width, device=cuda)
     x = torch.randn(batch, width, device=cuda, requires_grad=True)
-    bench._step(lambda h: bench._through(model, h), x)()  # warm-up: cuBLAS workspaces
+    strategies._step(lambda h: strategies._through(model, h), x)()  # warm-up: cuBLAS workspaces
     inner, io_bytes = 2 * batch * 4 * width * 4, batch * width * 4
-    assert bench._held_bytes(model, x) == [inner, inner + io_bytes, inner + io_bytes]
-    assert bench._held_bytes(model.cpu(), x.detach().cpu()) is None
+    assert model_grid._held_bytes(model, x) == [inner, inner + io_bytes, inner + io_bytes]
+    assert model_grid._held_bytes(model.cpu(), x.detach().cpu()) is None
 
 
 def test_layer_timeline_follows_the_schedule():
@@ -498,12 +499,12 @@ def test_engine_is_checked_against_transformer_engines_offload_and_its_code_path
     assert checks["model A, k=4: saving >= Transformer Engine's (GiB)"]["met"]  # equal counts
     assert checks["model A, k=2: overhead <= Transformer Engine's"]["detail"] == (
         "separate runs: engine +3.0%, TE +2.0%; TE's context alone: -8.0%")
-    (note,) = bench._te_path_note(runs)
+    (note,) = tables._te_path_note(runs)
     assert note == "TE's context with nothing offloaded (its hooks on every layer): -8.0%."
-    assert bench._te_path_note(runs[:1] + runs[2:]) == []  # without the context-only run: nothing to say
+    assert tables._te_path_note(runs[:1] + runs[2:]) == []  # without the context-only run: nothing to say
     # with TE's default path measured beside the baseline (which ran on TE's offload path), both say so
     runs.insert(1, run(bench.TE_DEFAULT_PATH, 0, 0.11, 0))
-    (note,) = bench._te_path_note(runs)
+    (note,) = tables._te_path_note(runs)
     assert "default path) a step took +11.0% against \"no offload\" (median of 4 pairs)" in note
     checks = {c["target"]: c for c in bench.check_targets(results)}
     assert checks["model A, k=2: overhead <= 1%"]["detail"].endswith("; TE's default path without offloading: +11.0%")
@@ -529,7 +530,7 @@ def test_the_step_by_step_comparison_with_transformer_engine_decides_the_overhea
     k4 = checks["model A, k=4: step <= Transformer Engine's (alternating pairs)"]
     assert not k4["met"] and k4["value"] is None and k4["detail"] == "RuntimeError: boom"
     assert "model A, k=2: overhead <= Transformer Engine's" not in checks
-    (note,) = bench._head_to_head_note(h2h)
+    (note,) = tables._head_to_head_note(h2h)
     assert "k = 2: engine 150.0 ms, TE 150.6 ms; engine / TE -0.4% (median of 40 pairs" in note
     assert "k = 4: failed (RuntimeError: boom)" in note
 
@@ -540,7 +541,7 @@ def test_head_to_head_alternates_the_two_forwards(monkeypatch):
     model = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(3)])
     x = torch.randn(4, 8, requires_grad=True)
     order = []
-    real = bench.make_forward
+    real = strategies.make_forward
 
     def fake(strategy, model, k, device, *rest):
         if strategy == "transformer_engine":
@@ -548,8 +549,8 @@ def test_head_to_head_alternates_the_two_forwards(monkeypatch):
             return (lambda h: order.append("te") or fwd(h)), None
         fwd, ctx = real(strategy, model, k, device)
         return (lambda h: order.append("engine") or fwd(h)), ctx
-    monkeypatch.setattr(bench, "make_forward", fake)
-    h = bench._head_to_head(model, x, 1, torch.device("cpu"), dict(steps=4, warmup=1))
+    monkeypatch.setattr(strategies, "make_forward", fake)
+    h = protocol._head_to_head(model, x, 1, torch.device("cpu"), dict(steps=4, warmup=1))
     assert h["status"] == "ok" and h["pairs"] == 4 and h["k"] == 1
     # the pairs take turns at which step goes first, so neither always follows the other
     assert order == ["engine", "te"] + ["te", "engine", "engine", "te"] * 2

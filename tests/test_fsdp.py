@@ -18,14 +18,14 @@ import sys
 import pytest
 import torch
 
+from offload_examples.instruments.fsdp.cli import add_options
+from offload_examples.instruments.fsdp.report import _prefetch_lines, _ratio_cell
 from offload_examples.instruments.report import CPU_TIMING_NOTE, write_json
 from offload_examples.instruments.timeline import prefetch_summary, stream_spans_from_trace
 from offload_examples.scenarios.fsdp import (
     CHECK_STEPS,
     FsdpConfig,
     Launch,
-    _options,
-    _prefetch_lines,
     format_report,
     main,
     prefetch_comparison,
@@ -131,7 +131,7 @@ def test_ddp_under_torchrun_rank_0_reports(tmp_path):
 
 def test_checkpoint_0_on_the_command_line_means_none():
     parser = argparse.ArgumentParser()
-    _options(parser)
+    add_options(parser)
     assert parser.parse_args(["--checkpoint", "0"]).checkpoint is None
     assert parser.parse_args(["--checkpoint", "2"]).checkpoint == 2
     assert parser.parse_args(["--no-reshard-after-forward"]).reshard_after_forward is False
@@ -443,7 +443,7 @@ def test_a_hung_rank_is_stopped_and_reported_not_waited_for():
     TimeoutError, and no spawned process outlives it."""
     import multiprocessing
 
-    from offload_examples.scenarios.cli import spawn_ranks
+    from offload_examples.instruments.spawn import spawn_ranks
 
     with pytest.raises(TimeoutError, match="did not finish within 3 s"):
         spawn_ranks(_sleep_forever, (), nprocs=2, timeout_s=3)
@@ -452,8 +452,6 @@ def test_a_hung_rank_is_stopped_and_reported_not_waited_for():
 
 def test_the_ratio_cell_says_why_it_has_no_ratio():
     """No peak without CUDA; no theory to divide by when the plan offloads nothing (it only recomputes)."""
-    from offload_examples.scenarios.fsdp import _ratio_cell
-
     assert _ratio_cell({"saving_ratio": 0.987, "saving_bytes": 10}) == "98.7%"
     assert _ratio_cell({"saving_ratio": None, "saving_bytes": None}) == "n/a (no CUDA)"
     assert _ratio_cell({"saving_ratio": None, "saving_bytes": 7 * 2**30}) == "n/a (nothing offloaded)"

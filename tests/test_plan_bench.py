@@ -12,6 +12,7 @@ import torch
 from offload_examples import DefaultSchedule
 from offload_examples.features.planner import KEEP, OFFLOAD, RECOMPUTE, Plan
 from offload_examples.instruments import bench
+from offload_examples.instruments.bench import planner_bench, strategies, tables
 from offload_examples.instruments.measure import compare_grads, measure_steps
 from offload_examples.instruments.models import build_basic_model
 
@@ -123,7 +124,7 @@ def test_check_planner_by_hand():
     planner["vs_best"] = {"strategy": "checkpoint", "k": 2, "status": "failed", "reason": "RuntimeError: x"}
     (check,) = bench.check_planner(results)
     assert check["vs_best"] is None and check["vs_best_failed"] == "RuntimeError: x"
-    assert "failed: RuntimeError: x" in bench._planner_markdown([check])  # not a bare n/a
+    assert "failed: RuntimeError: x" in tables._planner_markdown([check])  # not a bare n/a
     del planner["vs_best"]
     planner.update(overhead=0.0, peak_error=0.06)
     assert bench.check_planner(results)[0]["peak_error_met"] is False
@@ -133,7 +134,7 @@ def test_check_planner_by_hand():
     runs[-1] = {"strategy": "planner", "k": 2, "status": "failed", "reason": "RuntimeError: x", "budget_from": "engine"}
     (check,) = bench.check_planner(results)
     assert check["met"] is False and "failed" in check["reason"]
-    assert "**missed**" in bench._planner_markdown([check])
+    assert "**missed**" in tables._planner_markdown([check])
 
 
 def test_a_plan_through_make_forward_changes_no_gradient():
@@ -143,8 +144,8 @@ def test_a_plan_through_make_forward_changes_no_gradient():
     chosen = Plan((OFFLOAD, RECOMPUTE, KEEP, KEEP), predicted_peak_bytes=0, predicted_step_ms=0.0)
     plain, _ = bench.make_forward("no offload", model, 0, torch.device("cpu"))
     planned, engine = bench.make_forward("planner", model, 0, torch.device("cpu"), chosen)
-    reference = measure_steps(model, x, step=bench._step(plain, x), steps=1, warmup=0)
-    got = measure_steps(model, x, step=bench._step(planned, x), steps=1, warmup=1)
+    reference = measure_steps(model, x, step=strategies._step(plain, x), steps=1, warmup=0)
+    got = measure_steps(model, x, step=strategies._step(planned, x), steps=1, warmup=1)
     assert compare_grads(reference, got).equal
     assert [s.offloaded_bytes > 0 for s in engine.stats] == [True, False, False, False]
     with pytest.raises(ValueError, match="needs a plan"):
@@ -152,7 +153,7 @@ def test_a_plan_through_make_forward_changes_no_gradient():
 
 
 def test_cli_runs_the_planner(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench, "import_transformer_engine", lambda: False)
+    monkeypatch.setattr(bench.cli, "import_transformer_engine", lambda: False)
     results = bench.main(["--tiny", "--models", "B", "--ks", "1", "--strategies", "no offload", "engine", "checkpoint",
                           "planner", "--out", str(tmp_path), "--no-plots"])
     assert {r["strategy"] for r in results["models"][0]["runs"]} == set(PURE_AND_PLANNER)
@@ -196,7 +197,7 @@ def test_costs_that_cannot_be_measured_fail_only_the_planner(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("no marks")
 
-    monkeypatch.setattr(bench, "measure_costs", broken)
+    monkeypatch.setattr(planner_bench, "measure_costs", broken)
     config = bench.BenchConfig.tiny(models=("B",), ks=(1,), strategies=PURE_AND_PLANNER)
     results = bench.run(config, "cpu", stream=io.StringIO())
     runs = results["models"][0]["runs"]

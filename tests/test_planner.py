@@ -18,6 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from offload_examples import OffloadEngine
 from offload_examples.core.schedule import DefaultSchedule
 from offload_examples.features import planner
 from offload_examples.features.planner import (
@@ -32,11 +33,11 @@ from offload_examples.features.planner import (
     ModuleCost,
     Plan,
     SubsetSchedule,
-    _prefix_front,
     pareto,
     plan,
     simulate_plan,
 )
+from offload_examples.features.planner.search import _DECIMALS, _prefix_front
 
 EXAMPLES = settings(max_examples=30, deadline=None)
 MB = 1_000_000
@@ -209,7 +210,7 @@ def test_ample_budget_costs_no_time(data):
     keep_peak, keep_ms = simulate_plan([KEEP] * len(costs), costs, link, base)
     got = plan(costs, link, keep_peak + data.draw(st.integers(0, 10**6)), base)
     # nothing is faster than keeping everything (step times compare rounded, as the planner's do)
-    assert round(got.predicted_step_ms, planner._DECIMALS) == round(keep_ms, planner._DECIMALS)
+    assert round(got.predicted_step_ms, _DECIMALS) == round(keep_ms, _DECIMALS)
     assert got.choices == (KEEP,) * len(costs) or got.predicted_peak_bytes < keep_peak  # free saving only
 
 
@@ -689,8 +690,8 @@ def test_caps_are_refused_where_they_cannot_mean_anything():
     from offload_examples.features.planner import apply_plan
     caps = {0: mb}
     ctx, _, _ = apply_plan(Plan((OFFLOAD, KEEP), 0, 0.0, caps=(mb, None)), list(model), device="cpu")
-    engine = planner.OffloadEngine(planner.DefaultSchedule(1, 2), device=torch.device("cpu"),
-                                   max_offload_bytes_per_layer=caps)
+    engine = OffloadEngine(DefaultSchedule(1, 2), device=torch.device("cpu"),
+                           max_offload_bytes_per_layer=caps)
     caps[0] = -7  # the engine keeps its own checked copy
     assert ctx.max_offload_bytes_per_layer == {0: mb} and engine.max_offload_bytes_per_layer == {0: mb}
     with pytest.raises(ValueError, match="override"):

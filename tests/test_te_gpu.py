@@ -16,7 +16,7 @@ import torch
 
 from offload_examples import get_cpu_offload_context
 from offload_examples.core import te_path
-from offload_examples.instruments.bench import _held_bytes
+from offload_examples.instruments.bench.model_grid import _held_bytes
 from offload_examples.instruments.measure import compare_grads, measure_steps
 from offload_examples.instruments.te_compare import RECIPES, TeModel, fp8_autocast, te_tutorial_model
 

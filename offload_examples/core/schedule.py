@@ -5,6 +5,10 @@ of each layer's forward and backward, which offloaded layers to *release* (wait 
 device-to-host copies, then drop the GPU memory) and which to *reload* (start the host-to-device
 copies). Because it is plain data, the same object also predicts the memory a run should use
 (:meth:`DefaultSchedule.simulate`), which the tests and reports compare with what was measured.
+
+The orders a pipeline stage runs its phases in, and a ``synchronization_dict`` built for one, are
+:mod:`~offload_examples.core.orders`'; the walk that predicts the resident bytes is
+:mod:`~offload_examples.core.resident`'s. Both are importable from here too.
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 from typing import Literal, Mapping, Sequence
+
+from .orders import Phase, one_f_one_b_order, parse_order, sync_dict_for_order
+from .resident import ResidentTrace, simulate_resident
 
 __all__ = [
     "Action",
@@ -26,7 +33,6 @@ __all__ = [
     "sync_dict_for_order",
 ]
 
-Phase = Literal["forward", "backward"]
 #: ``("release", i)`` or ``("reload", i)``.
 Action = tuple[Literal["release", "reload"], int]
 
@@ -432,143 +438,3 @@ def _check_against_order(schedule: SyncDictSchedule, order: Sequence[tuple[Phase
                 f"{schedule.describe(i)}: in the given order the forward of layer {i} must come "
                 "before the release, the release before the reload, and the reload before its backward"
             )
-
-
-def parse_order(text: str) -> list[tuple[Phase, int]]:
-    """``"0F 1F 0B 1B"`` -> ``[("forward", 0), ("forward", 1), ("backward", 0), ("backward", 1)]``."""
-    out: list[tuple[Phase, int]] = []
-    for tok in text.split():
-        kind, num = tok[-1].upper(), tok[:-1]
-        if kind not in "FB" or not num.isdigit():
-            raise ValueError(f"cannot read {tok!r} in the order {text!r}: write e.g. '0F 1F 0B 1B'")
-        out.append(("forward" if kind == "F" else "backward", int(num)))
-    return out
-
-
-def one_f_one_b_order(stage: int, num_stages: int, microbatches: int) -> list[tuple[Phase, int]]:
-    """The order in which a 1F1B pipeline stage runs its micro-batches.
-
-    As in ``torch.distributed.pipelining.Schedule1F1B``: stage ``s`` first runs
-    ``min(M, num_stages - s)`` forwards, then alternates one backward and one forward, then runs
-    the remaining backwards.
-    """
-    if not 0 <= stage < num_stages or microbatches < num_stages:
-        raise ValueError(f"need 0 <= stage < num_stages <= microbatches, got {stage}, {num_stages}, {microbatches}")
-    warmup = min(microbatches, num_stages - stage)
-    order: list[tuple[Phase, int]] = [("forward", j) for j in range(warmup)]
-    fwd, bwd = warmup, 0
-    while bwd < microbatches:
-        order.append(("backward", bwd))
-        bwd += 1
-        if fwd < microbatches:
-            order.append(("forward", fwd))
-            fwd += 1
-    return order
-
-
-def sync_dict_for_order(order: Sequence[tuple[Phase, int]], offload: Sequence[int] | None = None,
-                        release_after: int = 2, reload_before: int = 1) -> dict[int, tuple[bool, int, bool, int]]:
-    """Build a ``synchronization_dict`` for a given order of phases.
-
-    Layer ``i``'s copy may run for ``release_after - 1`` phases after its forward: it is released
-    at the start of the ``release_after``-th phase after its forward, and reloaded at the start of
-    the phase ``reload_before`` phases before its backward. Layers for which that leaves no room
-    (the release would not come before the reload) are left on the GPU.
-
-    Parameters
-    ----------
-    order:
-        Phases in the order they start, e.g. from :func:`parse_order` or :func:`one_f_one_b_order`.
-    offload:
-        Candidate layers; all layers when ``None``.
-    """
-    pos = {p: k for k, p in enumerate(order)}
-    layers = sorted({j for _, j in order}) if offload is None else list(offload)
-    out = {}
-    for i in layers:
-        rel, rld = pos[("forward", i)] + release_after, pos[("backward", i)] - reload_before
-        if rel < rld:
-            (rp, rj), (lp, lj) = order[rel], order[rld]
-            if i not in (rj, lj):
-                out[i] = (rp == "forward", rj, lp == "forward", lj)
-    return out
-
-
-@dataclass(frozen=True)
-class ResidentTrace:
-    """Resident saved bytes after each step of :meth:`DefaultSchedule.timeline`.
-
-    Attributes
-    ----------
-    points:
-        ``(phase, layer, offloaded_resident, total_resident)`` at the moment each phase starts,
-        after that moment's releases and reloads; during a forward the layer's own bytes are
-        added, during a backward they are still counted (they are freed when it ends).
-    peak_with:
-        Most bytes resident at once with this schedule.
-    peak_without:
-        Most bytes resident at once without offloading, along the same timeline (for "all
-        forwards, then all backwards": every layer's bytes at the end of the forward).
-    """
-
-    points: list[tuple[Phase, int, int, int]]
-    peak_with: int
-    peak_without: int
-
-    @property
-    def saving(self) -> int:
-        """Theoretical peak-memory saving in bytes."""
-        return self.peak_without - self.peak_with
-
-
-def simulate_resident(schedule, offloaded_bytes: Sequence[int], kept_bytes: Sequence[int] | None = None,
-                      timeline: Sequence[tuple[Phase, int]] | None = None) -> ResidentTrace:
-    """Walk ``timeline`` (default ``schedule.timeline()``) and count the saved bytes on the device.
-
-    See :class:`ResidentTrace`; ``peak_without`` walks the same timeline with nothing offloaded.
-    """
-    timeline = schedule.timeline() if timeline is None else list(timeline)
-    n = len(offloaded_bytes)
-    kept = list(kept_bytes) if kept_bytes is not None else [0] * n
-    if len(kept) != n:
-        raise ValueError(f"offloaded_bytes has {n} layers but kept_bytes has {len(kept)}")
-    on_device = [False] * n  # whether layer i's offloaded bytes are on the device
-    offloaded = 0
-    total = 0
-    points = []
-    peak_with = 0
-    for phase, j in timeline:
-        for action, i in schedule.actions(phase, j):
-            if action == "release" and on_device[i]:
-                on_device[i] = False
-                offloaded -= offloaded_bytes[i]
-                total -= offloaded_bytes[i]
-            elif action == "reload" and not on_device[i]:
-                on_device[i] = True
-                offloaded += offloaded_bytes[i]
-                total += offloaded_bytes[i]
-        if phase == "forward":
-            on_device[j] = True
-            offloaded += offloaded_bytes[j]
-            total += offloaded_bytes[j] + kept[j]
-        points.append((phase, j, offloaded, total))
-        peak_with = max(peak_with, total)
-        if phase == "backward":
-            # the layer's backward ends before the next phase starts: its saved bytes go
-            if on_device[j]:
-                offloaded -= offloaded_bytes[j]
-                total -= offloaded_bytes[j]
-                on_device[j] = False
-            total -= kept[j]
-    return ResidentTrace(points, peak_with, _peak_without(timeline, offloaded_bytes, kept))
-
-
-def _peak_without(timeline, offloaded_bytes: Sequence[int], kept: Sequence[int]) -> int:
-    total = peak = 0
-    for phase, j in timeline:
-        if phase == "forward":
-            total += offloaded_bytes[j] + kept[j]
-        peak = max(peak, total)
-        if phase == "backward":
-            total -= offloaded_bytes[j] + kept[j]
-    return peak

@@ -2,16 +2,33 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import platform
 import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
+import torch
+
+from offload_examples.instruments.sizes import ScenarioConfig
+
 __all__ = [
     "CPU_TIMING_NOTE", "ProgressBar", "cpu_timing_note", "format_bytes", "format_markdown_table", "format_table",
-    "write_json",
+    "report_header", "write_json",
 ]
+
+
+def report_header(scenario: str, device: torch.device, config: ScenarioConfig) -> dict[str, Any]:
+    """The first entries of every scenario's report: what ran, where, with which torch and sizes."""
+    return {
+        "scenario": scenario,
+        "device_type": device.type,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "config": dataclasses.asdict(config),
+    }
 
 #: The line a report run on a CPU adds under its step times.
 CPU_TIMING_NOTE = ("(CPU run: the step times only show that the code runs; they measure nothing about "

@@ -31,9 +31,9 @@ from offload_examples import get_cpu_offload_context
 from offload_examples.instruments.cli import Need
 from offload_examples.instruments.measure import compare_grads, deterministic_kernels, measure_steps, resident_vs_theory
 from offload_examples.instruments.models import build_basic_model
-from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table
-from offload_examples.scenarios.cli import report_header, scenario_main
-from offload_examples.scenarios.sizes import ScenarioConfig, Timing, TransformerSize
+from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table, report_header
+from offload_examples.instruments.scenario_cli import scenario_main
+from offload_examples.instruments.sizes import ScenarioConfig, Timing, TransformerSize
 
 __all__ = ["BasicConfig", "format_report", "main", "run"]
 

@@ -41,10 +41,10 @@ from offload_examples.instruments.measure import (
     training_step,
 )
 from offload_examples.instruments.models import build_basic_model
-from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table
+from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table, report_header
+from offload_examples.instruments.scenario_cli import scenario_main
+from offload_examples.instruments.sizes import ScenarioConfig, TransformerSize
 from offload_examples.instruments.timeline import overlap_ms, record_timeline
-from offload_examples.scenarios.cli import report_header, scenario_main
-from offload_examples.scenarios.sizes import ScenarioConfig, TransformerSize
 
 __all__ = ["GraphsConfig", "format_report", "main", "run"]
 

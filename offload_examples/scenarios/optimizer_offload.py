@@ -32,9 +32,9 @@ from offload_examples.features.optim_offload import OptimizerOffload
 from offload_examples.instruments.cli import Need, Stack, fractions_arg
 from offload_examples.instruments.measure import StepReport, training_step
 from offload_examples.instruments.models import build_linear_stack
-from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table
-from offload_examples.scenarios.cli import report_header, scenario_main
-from offload_examples.scenarios.sizes import ScenarioConfig, Timing
+from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table, report_header
+from offload_examples.instruments.scenario_cli import scenario_main
+from offload_examples.instruments.sizes import ScenarioConfig, Timing
 
 __all__ = ["OptimizerConfig", "format_report", "main", "run"]
 

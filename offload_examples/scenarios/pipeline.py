@@ -32,13 +32,13 @@ import torch
 from torch import nn
 
 from offload_examples import get_cpu_offload_context
-from offload_examples.core.schedule import parse_order, sync_dict_for_order
+from offload_examples.core.orders import parse_order, sync_dict_for_order
 from offload_examples.instruments.cli import Need
 from offload_examples.instruments.measure import compare_grads, deterministic_kernels, measure_steps, resident_vs_theory
 from offload_examples.instruments.models import build_basic_model
-from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table
-from offload_examples.scenarios.cli import report_header, scenario_main
-from offload_examples.scenarios.sizes import MicroBatches, ScenarioConfig, Timing, TransformerSize
+from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table, report_header
+from offload_examples.instruments.scenario_cli import scenario_main
+from offload_examples.instruments.sizes import MicroBatches, ScenarioConfig, Timing, TransformerSize
 
 __all__ = ["ORDER", "SYNC_DICT", "PipelineConfig", "format_report", "main", "manual_step", "pipeline_step", "run"]
 

@@ -19,13 +19,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import json
-import os
 import statistics
-import tempfile
 from dataclasses import dataclass
-from datetime import timedelta
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -33,15 +28,14 @@ import torch.distributed as dist
 from torch import nn
 
 from offload_examples import get_cpu_offload_context, mark_not_offload
-from offload_examples.core.schedule import one_f_one_b_order, sync_dict_for_order
+from offload_examples.core.orders import one_f_one_b_order, sync_dict_for_order
 from offload_examples.instruments.cli import Need, check_memory
 from offload_examples.instruments.measure import deterministic_kernels
 from offload_examples.instruments.models import build_basic_model
 from offload_examples.instruments.report import format_bytes, format_table
-from offload_examples.scenarios.cli import (
-    Placement, free_port, make_config, rank_results, scenario_main, size_hint, spawn_ranks,
-)
-from offload_examples.scenarios.sizes import MicroBatches, ScenarioConfig, TransformerSize
+from offload_examples.instruments.scenario_cli import Placement, make_config, scenario_main, size_hint
+from offload_examples.instruments.sizes import MicroBatches, ScenarioConfig, TransformerSize
+from offload_examples.instruments.spawn import Launch, run_ranks
 
 __all__ = ["DistConfig", "OffloadedStage", "expand_order", "format_report", "main", "run"]
 
@@ -130,22 +124,8 @@ def _pipeline_step(schedule, rank, world, cfg, device, x, dtype) -> None:
         schedule.step()
 
 
-def _worker(rank: int, world: int, cfg: DistConfig, backend: str, out_dir: str, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=120),
-                            **({"device_id": device} if device.type == "cuda" else {}))
-    try:
-        result = _run_rank(rank, world, cfg, device)
-    finally:
-        dist.destroy_process_group()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-
-
-def _run_rank(rank: int, world: int, cfg: DistConfig, device: torch.device) -> dict[str, Any]:
-    dtype = getattr(torch, cfg.dtype)
+def _run_rank(rank: int, device: torch.device, cfg: DistConfig) -> dict[str, Any]:
+    world, dtype = cfg.stages, getattr(torch, cfg.dtype)
     model = build_basic_model(cfg.stages * cfg.layers_per_stage, cfg.hidden, cfg.heads, cfg.ffn,
                               device=device, dtype=dtype, kind="torch", seed=cfg.seed)
     mine = nn.ModuleList(model[rank * cfg.layers_per_stage:(rank + 1) * cfg.layers_per_stage])
@@ -226,9 +206,9 @@ def run(config: DistConfig | None = None, backend: str = "auto") -> dict[str, An
     if backend == "nccl" and torch.cuda.device_count() < (config.stages if config else 2):
         raise RuntimeError(f"backend nccl needs one GPU per stage; {torch.cuda.device_count()} visible")
     config = config or (DistConfig() if backend == "nccl" else DistConfig.small())
-    with tempfile.TemporaryDirectory() as out_dir:
-        spawn_ranks(_worker, (config.stages, config, backend, out_dir, free_port()), config.stages)
-        ranks = rank_results(out_dir, config.stages)
+    launch = Launch("cuda" if backend == "nccl" else "cpu")
+    # a collective waits two minutes at most, and every rank keeps all the cores
+    ranks = run_ranks(_run_rank, (config,), config.stages, launch, collective_timeout_s=120, share_cores=False)
     device = torch.cuda.get_device_name(0) if backend == "nccl" else "cpu"
     return {"scenario": "pipeline-dist", "backend": backend, "device_type": "cuda" if backend == "nccl" else "cpu",
             "device": device, "torch": torch.__version__,

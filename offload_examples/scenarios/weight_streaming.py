@@ -35,10 +35,10 @@ from offload_examples.instruments.measure import (
     Measurement, compare_grads, deterministic_kernels, measure_steps, training_step,
 )
 from offload_examples.instruments.models import Checkpointed, build_linear_stack
-from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table
+from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table, report_header
+from offload_examples.instruments.scenario_cli import scenario_main
+from offload_examples.instruments.sizes import ScenarioConfig, Timing
 from offload_examples.instruments.timeline import overlap_ms, record_timeline
-from offload_examples.scenarios.cli import report_header, scenario_main
-from offload_examples.scenarios.sizes import ScenarioConfig, Timing
 
 __all__ = ["WeightsConfig", "format_report", "main", "run"]
 

@@ -1,8 +1,7 @@
-"""What every scenario shares: its sizes' base type and its command line,
-``python -m offload_examples <name> [--small] [--json PATH]``.
+"""Every scenario's command line, ``python -m offload_examples <name> [--small] [--json PATH]``.
 
 A scenario module provides a config dataclass derived from
-:class:`~offload_examples.scenarios.sizes.ScenarioConfig` (its fields are the full size; ``SMALL``
+:class:`~offload_examples.instruments.sizes.ScenarioConfig` (its fields are the full size; ``SMALL``
 lists what differs at the small size), ``run`` and ``format_report``;
 :func:`scenario_main` turns the config's int and str fields into options. Every value is checked
 before the scenario starts (see :mod:`offload_examples.instruments.cli`): a bad one ends the command
@@ -13,14 +12,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
-import os
-import json
 import dataclasses
-import platform
-import socket
 import sys
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -31,23 +24,11 @@ from offload_examples.instruments.cli import (
     field_int_arg, size_error_text,
 )
 from offload_examples.instruments.models import import_transformer_engine
-from offload_examples.scenarios.sizes import ScenarioConfig
+from offload_examples.instruments.sizes import ScenarioConfig
 
-__all__ = ["DEVICE", "Placement", "ScenarioConfig", "add_config_options", "free_port", "make_config", "report_header",
-           "scenario_main", "rank_results", "size_hint", "spawn_ranks"]
+__all__ = ["DEVICE", "Placement", "add_config_options", "make_config", "scenario_main", "size_hint"]
 
 C = TypeVar("C", bound=ScenarioConfig)
-
-
-def report_header(scenario: str, device: torch.device, config: ScenarioConfig) -> dict[str, Any]:
-    """The first entries of every scenario's report: what ran, where, with which torch and sizes."""
-    return {
-        "scenario": scenario,
-        "device_type": device.type,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "config": dataclasses.asdict(config),
-    }
 
 
 #: What each size field means, for ``--help``.
@@ -211,45 +192,3 @@ def scenario_main(
     if not report["grads_equal"]:
         sys.exit(failure)
     return report
-
-
-def free_port() -> int:
-    """A TCP port on this host that nothing listens on now (for the ranks' rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn_ranks(fn: Callable[..., None], args: tuple, nprocs: int, timeout_s: float = 900.0) -> None:
-    """Run ``fn(rank, *args)`` in ``nprocs`` new processes and wait for all of them, at most ``timeout_s``.
-
-    A rank that raises ends the others and raises here (as ``torch.multiprocessing.spawn`` does). A rank
-    that hangs (a collective whose peer died, a rendezvous that never completes) is killed with the
-    others when the time is up, and :class:`TimeoutError` says so: no process outlives the call.
-    """
-    context = torch.multiprocessing.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    # when one rank fails, give the others a second to stop, not torch's default half minute
-    grace = {"grace_period": 1.0} if "grace_period" in inspect.signature(context.join).parameters else {}
-    try:
-        while not context.join(timeout=1.0, **grace):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{nprocs} rank(s) did not finish within {timeout_s:.0f} s; they were stopped")
-    finally:
-        for p in context.processes:
-            if p.is_alive():
-                p.kill()
-                p.join()
-
-
-def rank_results(folder: str, world: int) -> list[dict[str, Any]]:
-    """The ``rank{r}.json`` each spawned rank wrote into ``folder``; a rank that wrote none is an error
-    (a rank interrupted with Ctrl-C exits with code 0 and no result)."""
-    results = []
-    for r in range(world):
-        path = os.path.join(folder, f"rank{r}.json")
-        if not os.path.exists(path):
-            raise RuntimeError(f"rank {r} ended without writing its result (was it interrupted?)")
-        with open(path) as f:
-            results.append(json.load(f))
-    return results

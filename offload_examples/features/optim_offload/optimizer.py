@@ -1,122 +1,32 @@
-"""Optimizer state offloading: part of the parameters is updated on the host, from host memory.
+"""The wrapper: the offloaded parameters' slots, the gradient copies, the host updates and the copies back.
 
-:class:`OptimizerOffload` wraps an elementwise optimizer (Adam, SGD, ...). A chosen fraction of the
-parameters keeps its optimizer state (Adam's two moments, SGD's momentum) in host memory and is
-updated by the CPU; the other parameters go through the plain optimizer on the device as usual.
-The life of one offloaded parameter's data, in the order it happens:
-
-1. **Partitioned.** Walking the parameters in the order given, parameter ``i`` is offloaded when
-   the bytes offloaded before it are still below ``fraction`` of all parameter bytes. The
-   offloaded parameters are therefore a prefix of the list, and the offloaded share overshoots
-   ``fraction`` by less than one parameter (:attr:`OptimizerOffload.offloaded_fraction` says by
-   how much). ``fraction=1.0`` offloads every parameter, zero-size ones included.
-2. **Mirrored.** At construction the parameter borrows two pinned buffers from a
-   :class:`~offload_examples.core.host_pool.HostBufferPool`: a *master* copy, filled once from the
-   device, and a gradient buffer. It gets its own optimizer over the master, so it can be updated
-   as soon as its own gradient has arrived (for an elementwise optimizer, one optimizer per
-   parameter computes exactly what one optimizer over all of them would). The optimizer state it
-   creates on the first step lives in ordinary host memory, since it never crosses the bus.
-3. **Gradient copied out.** In the backward, once autograd has accumulated the parameter's
-   gradient, a post-accumulate-grad hook queues the copy of ``p.grad`` into the gradient buffer
-   on the device-to-host stream, after that stream has waited for the compute stream (the
-   gradient has only just been written there), and records an event. The copies thus overlap the
-   rest of the backward. A gradient the hook did not see (set by hand, or changed in place after
-   the backward, e.g. by gradient clipping) is copied at :meth:`~OptimizerOffload.step` instead:
-   still correct, but without overlap (:attr:`~OptimizerOffload.late_grad_copies` counts these).
-4. **Updated on the host.** :meth:`~OptimizerOffload.step` first queues the device optimizer's
-   step, which runs asynchronously on the device. Then, for each offloaded parameter with a
-   gradient, in the order its gradient copy was queued (the order the copies finish in), the host
-   waits for that copy's event and runs the parameter's CPU optimizer on the master.
-5. **Copied back.** The updated master is copied into the device parameter on the host-to-device
-   stream, and an event is recorded. While the CPU updates parameter ``i``, the copy of parameter
-   ``i - 1`` and the device optimizer's step run on the device.
-6. **Used.** At the end of ``step()`` the compute stream waits (on the device; the host does not
-   block) for the last host-to-device copy, so the next forward reads updated parameters. The
-   master is next written by the CPU only after this copy has finished reading it.
-
-Tolerance
----------
-On the CPU device the host optimizers run the same per-tensor arithmetic as the plain optimizer
-(torch's default on CPU is the single-tensor path, and ``foreach=True`` or ``fused=True`` work
-tensor by tensor too), so parameters and states are **bitwise equal** to the plain optimizer's at
-any fraction. ``fraction=0.0`` is bitwise equal on any device: everything then goes through one
-plain ``optimizer_class(params, **kwargs)``. On a GPU the offloaded part runs CPU kernels while
-the plain optimizer runs CUDA kernels, which round differently. Measured on the H100 (fp32, Adam,
-lr 1e-3): after one step the parameters differ by at most 1.9e-9; after 12 steps by at most
-3.4e-3 per element and 5.5e-3 in relative L2 norm per tensor. The growth is Adam's, not the
-copies': the first step's rounding differences change the next gradients slightly, and Adam's
-normalisation turns a sign change of a near-zero gradient into a step of size ``lr``.
-
-Options
--------
-``foreach`` and ``fused`` are passed to every optimizer unchanged (torch has fused CPU kernels
-for SGD, Adam, AdamW and Adagrad). When the device is a GPU and neither is given, the host
-optimizers use ``fused=True`` where the class has a fused CPU kernel: the CPU update is what
-limits the step, and the fused kernel is several times faster than the per-tensor loop. ``capturable=True`` is kept for the device optimizer but
-dropped for the host optimizers when the device is a GPU: it exists for CUDA graph capture and
-torch refuses it for CPU tensors. On the CPU device nothing is dropped, so the wrapper accepts
-exactly the keyword arguments the plain optimizer accepts.
-
-Caveats
--------
-The gradient copied in step 3 is the one autograd produced. A later change that PyTorch's version
-counter sees (clipping, ``mul_``, assigning ``p.grad``) makes :meth:`~OptimizerOffload.step` copy
-it again. ``torch.amp.GradScaler`` is supported: the wrapper takes the scale from it and unscales
-the host copies itself (after ``scaler.unscale_(optimizer)``, e.g. to clip, every gradient is
-copied again at the step). Changes the counter does not see are not noticed: an in-place
-``all_reduce`` of ``p.grad`` (or DDP with ``gradient_as_bucket_view=True``) and writes through
-``p.grad.data``. Pass ``grad_copy="step"`` in those cases, and to use the wrapper with CUDA graphs
-(a replay runs no hooks): every gradient is then copied at the step, without overlap.
-
-The host master, not the device tensor, is what an offloaded parameter is updated from. A change
-made to the parameter in place (``with torch.no_grad(): p.copy_(w)``, ``load_state_dict``) bumps
-its version counter and is picked up at the next step (a blocking copy). Writing through
-``p.data`` or replacing ``p.data`` is invisible to the wrapper and is lost at the next step.
-
-The plain optimizer's face
---------------------------
-The wrapper is a ``torch.optim.Optimizer`` whose one param group holds every parameter with the
-hyperparameters and flags the plain ``optimizer_class(params, **kwargs)`` would have. A
-learning-rate scheduler changes that group; :meth:`~OptimizerOffload.step` copies its
-hyperparameters into the optimizers inside (each keeps its own ``fused``/``foreach``/``capturable``). ``state[p]`` is
-``p``'s state in whichever optimizer holds it. :meth:`~OptimizerOffload.state_dict` writes the plain
-optimizer's format, parameters numbered in the order given, so a checkpoint loads into the plain
-optimizer or into a wrapper with another fraction, and the plain optimizer's loads into the wrapper.
+Steps 2 to 6 of an offloaded parameter's life (:mod:`~offload_examples.features.optim_offload`)
+happen here; which parameters are offloaded is :mod:`~offload_examples.features.optim_offload.params`'s
+choice, and what the wrapper shows as a plain optimizer (its state, its checkpoints) is
+:mod:`~offload_examples.features.optim_offload.state`'s.
 """
 
 from __future__ import annotations
 
 import functools
-import math
-import numbers
 import threading
 import warnings
 import weakref
 from dataclasses import dataclass
 from types import TracebackType
-from collections.abc import Mapping
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 import torch
 
-from ..core.engine import GraphCaptureError
-from ..core.host_pool import HostBuffer, HostBufferPool
-from ..core.streams import Streams
-
-__all__ = ["OptimizerOffload", "SUPPORTED_OPTIMIZERS"]
-
-#: Optimizer classes (and their subclasses) whose state is per parameter and elementwise, so that
-#: the parameters can be split between optimizers without changing the result.
-SUPPORTED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adagrad,
-    torch.optim.RMSprop,
-    torch.optim.Adamax,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
+from ...core.engine import GraphCaptureError
+from ...core.host_pool import HostBuffer, HostBufferPool
+from ...core.streams import Streams
+from .params import (
+    _check_fraction, _check_optimizer_class, _collect_params, _has_fused_cpu, _nbytes, _partition, _typed_view,
 )
+from .state import _FLAGS, _StateView, _load_state_dict, _state_dict, _state_tensors
+
+__all__ = ["OptimizerOffload"]
 
 
 @dataclass(eq=False)
@@ -154,7 +64,7 @@ class OptimizerOffload(torch.optim.Optimizer):
     params:
         The parameters, as one flat iterable of tensors (``model.parameters()``). All on one
         device, leaves that require grad, no duplicates. Param-group dicts are not supported.
-        The order decides which parameters are offloaded (a prefix of the list, see the module
+        The order decides which parameters are offloaded (a prefix of the list, see the package
         docstring); pass ``reversed(list(model.parameters()))`` to offload the last layers, whose
         gradients arrive first in the backward and so have the most time to reach the host.
     optimizer_class:
@@ -165,9 +75,9 @@ class OptimizerOffload(torch.optim.Optimizer):
         ``"backward"`` (default): copy each offloaded gradient to the host as soon as autograd
         has accumulated it, overlapping the rest of the backward. ``"step"``: copy them all at
         :meth:`step`, for gradients changed after the backward in ways the hooks cannot see
-        (see the module docstring's caveats).
+        (see the package docstring's caveats).
     **optimizer_kwargs:
-        Passed to every optimizer (see the module docstring for ``capturable``).
+        Passed to every optimizer (see the package docstring for ``capturable``).
 
     Attributes
     ----------
@@ -308,7 +218,7 @@ class OptimizerOffload(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ the training step
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Update every parameter that has a gradient (see the module docstring, steps 4 to 6).
+        """Update every parameter that has a gradient (see the package docstring, steps 4 to 6).
 
         ``closure``, as for torch's optimizers, re-evaluates the model and returns the loss; it
         runs first and its loss is returned.
@@ -541,14 +451,7 @@ class OptimizerOffload(torch.optim.Optimizer):
         CPU tensors.
         """
         self._check_open()
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # registered as on any optimizer
-            pre_hook(self)
-        state = {i: dict(self.state[p]) for i, p in enumerate(self.param_groups[0]["params"]) if p in self.state}
-        group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
-        state_dict = {"state": state, "param_groups": [{**group, "params": list(range(len(self._where)))}]}
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            state_dict = post_hook(self, state_dict) or state_dict
-        return state_dict
+        return _state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a checkpoint written by :meth:`state_dict`, at any fraction, or by the plain optimizer.
@@ -558,89 +461,13 @@ class OptimizerOffload(torch.optim.Optimizer):
         param groups, another number of parameters) before loading anything.
         """
         self._check_open()
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            state_dict = pre_hook(self, state_dict) or state_dict
-        group, state = self._check_checkpoint(state_dict)
-        hyper = {k: v for k, v in group.items() if k not in ("params", "param_names") and k not in _FLAGS}
-        self.param_groups[0].update(hyper)
-        if self.gpu_optimizer is not None:
-            kept = [i for i, (on_host, _) in enumerate(self._where) if not on_host]
-            self.gpu_optimizer.load_state_dict({
-                "state": {j: state[i] for j, i in enumerate(kept) if i in state},
-                "param_groups": [{**self.gpu_optimizer.param_groups[0], **hyper, "params": list(range(len(kept)))}],
-            })
-        for i, (on_host, j) in enumerate(self._where):
-            if on_host:
-                optimizer = self._slots[j].optimizer
-                optimizer.load_state_dict({
-                    "state": {0: state[i]} if i in state else {},
-                    "param_groups": [{**optimizer.param_groups[0], **hyper, "params": [0]}],
-                })
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
-
-    def _check_checkpoint(self, state_dict: Any) -> tuple[dict[str, Any], dict[int, Any]]:
-        """The single group and the state of a checkpoint, or a ValueError that says what differs."""
-        n = len(self._where)
-        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
-        if not isinstance(groups, list) or len(groups) != 1 or "state" not in state_dict:
-            shape = f"{len(groups)} param groups" if isinstance(groups, list) else f"{type(state_dict).__name__}"
-            raise ValueError(
-                f"expected an optimizer state_dict with one param group over {n} parameters (what "
-                f"state_dict() and a plain {self.optimizer_class.__name__}(params) save), got {shape}"
-            )
-        params = list(groups[0].get("params", []))
-        if sorted(params) != list(range(n)) or not set(state_dict["state"]) <= set(params):
-            raise ValueError(
-                f"the checkpoint's param group holds {len(params)} parameters and state for "
-                f"{len(state_dict['state'])}; this optimizer has {n} parameters, numbered 0..{n - 1} "
-                "in the order given to the constructor"
-            )
-        return groups[0], state_dict["state"]
+        _load_state_dict(self, state_dict)
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this OptimizerOffload was closed; build a new one to keep training")
 
 
-class _StateView(Mapping):
-    """``OptimizerOffload.state``: each parameter's state in the optimizer that holds it (the
-    device optimizer's, or its host optimizer's, whose tensors are on the CPU), read-only."""
-
-    def __init__(self, owner: OptimizerOffload):
-        self._owner = weakref.ref(owner)
-
-    def _lookup(self, p: torch.Tensor) -> tuple[torch.optim.Optimizer, torch.Tensor] | None:
-        """The optimizer holding ``p``'s state and the tensor it is keyed by; None when closed."""
-        owner = self._owner()
-        i = owner._index_of.get(id(p)) if owner is not None and not owner._closed else None
-        if i is None:
-            return None
-        on_host, j = owner._where[i]
-        if on_host:
-            return owner._slots[j].optimizer, owner._slots[j].master
-        return owner.gpu_optimizer, p
-
-    def __getitem__(self, p: torch.Tensor) -> dict[str, Any]:
-        found = self._lookup(p)
-        if found is None:
-            raise KeyError(p)
-        return found[0].state.get(found[1], {})  # {} before the first step, as torch's defaultdict gives
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        owner = self._owner()
-        params = owner.param_groups[0]["params"] if owner is not None and not owner._closed else []
-        return iter([p for p in params if p in self])
-
-    def __contains__(self, p: object) -> bool:
-        found = self._lookup(p) if isinstance(p, torch.Tensor) else None
-        return found is not None and found[1] in found[0].state
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-
-# ---------------------------------------------------------------------- helpers
 def _grad_ready(ref: weakref.ref, index: int, param: torch.Tensor) -> None:
     """Post-accumulate-grad hook. Holds the wrapper weakly so the parameters don't keep it alive."""
     self = ref()
@@ -653,104 +480,3 @@ def _grad_ready(ref: weakref.ref, index: int, param: torch.Tensor) -> None:
             "to use it with a captured backward: the gradients are then copied at step()"
         )
     self._copy_grad(self._slots[index])
-
-
-def _check_optimizer_class(cls: Any) -> None:
-    supported = ", ".join(c.__name__ for c in SUPPORTED_OPTIMIZERS)
-    if not isinstance(cls, type):
-        raise TypeError(
-            "optimizer_class must be an optimizer class such as torch.optim.Adam (not an instance or a "
-            f"name), got an object of type {type(cls).__name__}. Supported: {supported} (and their subclasses)."
-        )
-    if issubclass(cls, SUPPORTED_OPTIMIZERS):
-        return
-    raise TypeError(
-        f"optimizer_class {cls.__qualname__} is not supported. OptimizerOffload splits the parameters between "
-        "several optimizers, which computes the same update only when the state is per parameter "
-        f"and elementwise. Supported: {supported} (and their subclasses)."
-    )
-
-
-def _has_fused_cpu(cls: type[torch.optim.Optimizer]) -> bool:
-    """Whether ``cls`` accepts ``fused=True`` for CPU tensors (Adam, AdamW, SGD, Adagrad in torch >= 2.4)."""
-    probe = torch.zeros(1, requires_grad=True)
-    try:
-        cls([probe], fused=True)
-    except (TypeError, RuntimeError, ValueError):
-        return False
-    return True
-
-
-#: Keys of a param group that choose an implementation rather than the arithmetic.
-_FLAGS = ("foreach", "fused", "capturable", "differentiable")
-
-
-def _check_fraction(fraction: Any) -> float:
-    if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real):
-        raise TypeError(f"fraction must be a real number in [0, 1], got {fraction!r} ({type(fraction).__name__})")
-    value = float(fraction)
-    if math.isnan(value) or not 0.0 <= value <= 1.0:
-        raise ValueError(f"fraction must be in [0, 1], got {fraction!r}")
-    return value
-
-
-def _collect_params(params: Any) -> list[torch.nn.Parameter]:
-    if isinstance(params, torch.Tensor):
-        raise TypeError("params must be an iterable of tensors, got a single tensor; wrap it in a list")
-    if isinstance(params, dict):
-        raise ValueError("param groups (dicts) are not supported: pass one flat list of parameters")
-    try:
-        items = list(params)
-    except TypeError:
-        raise TypeError(f"params must be an iterable of tensors, got {type(params).__name__}") from None
-    if not items:
-        raise ValueError("params is empty: OptimizerOffload needs at least one parameter")
-    for i, p in enumerate(items):
-        if isinstance(p, dict):
-            raise ValueError(
-                f"params[{i}] is a dict: param groups are not supported, pass one flat list of parameters"
-            )
-        if not isinstance(p, torch.Tensor):
-            raise TypeError(
-                f"params[{i}] is a {type(p).__name__}, expected a tensor (pass model.parameters(), "
-                "not named_parameters())"
-            )
-        if not p.requires_grad:
-            raise ValueError(f"params[{i}] (shape {tuple(p.shape)}) does not require grad; leave it out")
-        if not p.is_leaf:
-            raise ValueError(f"params[{i}] (shape {tuple(p.shape)}) is not a leaf tensor; optimizers update leaves")
-    devices = {p.device for p in items}
-    if len(devices) > 1:
-        raise ValueError(f"all parameters must be on one device, got {sorted(str(d) for d in devices)}")
-    if len({id(p) for p in items}) != len(items):
-        raise ValueError("params contains the same parameter more than once")
-    return items
-
-
-def _partition(sizes: list[int], fraction: float) -> list[bool]:
-    """Which parameters go to the host: while the bytes offloaded so far are < fraction x total."""
-    if fraction == 1.0:
-        return [True] * len(sizes)
-    budget = fraction * sum(sizes)
-    offloaded, out = 0, []
-    for n in sizes:
-        take = offloaded < budget
-        offloaded += n if take else 0
-        out.append(take)
-    return out
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _typed_view(buf: HostBuffer, like: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor of ``like``'s dtype and shape over the buffer's bytes."""
-    return buf.data[: _nbytes(like)].view(like.dtype).view(like.shape)
-
-
-def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor):
-                yield value

@@ -1,0 +1,69 @@
+"""A failure that leaves the device unusable, and giving memory back between runs."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+
+__all__ = ["DeviceLost", "device_usable"]
+
+
+class DeviceLost(Exception):
+    """A run's failure left the device unusable for the rest of the process.
+
+    CUDA reports an illegal memory access and similar faults to every later call in the process
+    (a "sticky" error), so no later run could measure anything. :func:`run` starts the model again in a
+    fresh process with ``strategy`` (a strategy, or one of the runs ``HEAD_TO_HEAD_RUN`` and
+    ``PLAN_PAIRS_RUN``) left out, and its rows say why (the model's ``left_out``).
+    """
+
+    def __init__(self, strategy: str, k: int, reason: str) -> None:
+        super().__init__(f"{strategy}{f' at k={k}' if k else ''} left the device unusable: {reason}")
+        self.strategy, self.k, self.reason = strategy, k, reason
+
+    def __reduce__(self) -> tuple:  # it travels from a model's process to the parent
+        return type(self), (self.strategy, self.k, self.reason)
+
+    def why(self, model: str) -> str:
+        """The reason the restarted model's rows give for leaving the strategy out."""
+        at = f"at k={self.k} " if self.k else ""
+        return f"left out: {at}on model {model} it failed and left the device unusable for the process ({self.reason})"
+
+
+def _reason(err: BaseException) -> str:
+    """An error in one line, for a table row: CUDA's errors go on with lines of advice."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+
+
+def _raise_if_lost(device: torch.device, run: str, k: int, err: Exception) -> None:
+    """Raise :class:`DeviceLost` for ``run`` if its failure ``err`` left ``device`` unusable: every
+    later run would fail too, so the model starts again in a fresh process without it."""
+    if not device_usable(device):
+        raise DeviceLost(run, k, _reason(err)) from err
+
+
+def device_usable(device: torch.device) -> bool:
+    """Whether ``device`` still runs work: ``False`` after a sticky CUDA error (always ``True`` off CUDA)."""
+    if device.type != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize(device)
+        return torch.ones(1, device=device).add_(1).item() == 2.0
+    except Exception:  # the sticky error comes back from any call
+        return False
+
+
+def _free(*engines: Any) -> None:
+    try:
+        for e in engines:
+            if e is not None and hasattr(e, "release_buffers"):
+                e.release_buffers()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except RuntimeError:  # after a sticky CUDA error every call raises it again: DeviceLost says why
+        if not torch.cuda.is_initialized() or device_usable(torch.device("cuda", torch.cuda.current_device())):
+            raise

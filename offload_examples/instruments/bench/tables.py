@@ -1,0 +1,199 @@
+"""What the results say: the targets, and the Markdown tables of every model, the targets and the planner."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from offload_examples.instruments.bench.planner_bench import PLANNER_PREDICTION_ERROR, PLANNER_TIME_NOISE
+from offload_examples.instruments.bench.strategies import TE_CONTEXT_ONLY, TE_DEFAULT_PATH
+from offload_examples.instruments.report import CPU_TIMING_NOTE, format_bytes, format_markdown_table
+
+__all__ = ["GiB", "check_targets", "markdown"]
+
+
+GiB = 2**30
+
+
+def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets for model A at k=2 (copies fit) and k=4 (they do not), met or missed."""
+    model = next((m for m in results["models"] if m["model"] == "A"), None)
+    if model is None or not results.get("link_gb_per_s"):
+        return []
+    engine = {r["k"]: r for r in model["runs"] if r["strategy"] == "engine" and r["status"] == "ok"}
+    checks = []
+    if 2 in engine:
+        r = engine[2]
+        q1, q3 = r.get("overhead_quartiles", (None, None))
+        spread = f"median of {r['pairs']} pairs; quartiles {q1:+.2%} .. {q3:+.2%}" if q1 is not None else ""
+        default = _ok_run(model["runs"], TE_DEFAULT_PATH)
+        if default is not None:  # the baseline ran on TE's offload path: say what the default path takes
+            spread += f"; TE's default path without offloading: {default['overhead']:+.1%}"
+        checks += [("model A, k=2: saving >= 99% of theoretical", r["saving_ratio"], 0.99, ">=", ""),
+                   ("model A, k=2: overhead <= 1%", r["overhead"], 0.01, "<=", spread)]
+    te = {r["k"]: r for r in model["runs"] if r["strategy"] == "transformer_engine" and r["status"] == "ok"}
+    alone = _ok_run(model["runs"], TE_CONTEXT_ONLY)
+    pairs = {h["k"]: h for h in model.get("head_to_head", ())}
+    for k in sorted(set(engine) & set(te) & {2, 4}):
+        apart = f"separate runs: engine {engine[k]['overhead']:+.1%}, TE {te[k]['overhead']:+.1%}"
+        apart += f"; TE's context alone: {alone['overhead']:+.1%}" if alone else ""
+        checks.append((f"model A, k={k}: saving >= Transformer Engine's (GiB)", engine[k]["saving_bytes"] / GiB,
+                       te[k]["saving_bytes"] / GiB, ">=", ""))
+        h = pairs.get(k)
+        if h is None:  # no step-by-step run: the two separate overheads
+            checks.append((f"model A, k={k}: overhead <= Transformer Engine's", engine[k]["overhead"],
+                           te[k]["overhead"], "<=", apart))
+        elif h["status"] != "ok":
+            checks.append((f"model A, k={k}: step <= Transformer Engine's (alternating pairs)", None, 0.0, "<=",
+                           h["reason"]))
+        else:
+            q1, q3 = h["quartiles"]
+            checks.append((f"model A, k={k}: step <= Transformer Engine's (alternating pairs)", h["engine_vs_te"],
+                           0.0, "<=", f"engine / TE - 1, median of {h['pairs']} pairs; quartiles {q1:+.2%} .. "
+                                      f"{q3:+.2%}; {apart}"))
+    if 4 in engine:
+        r = engine[4]
+        bound = f"{r['step_ms']:.1f} ms measured, {r['bound_ms']:.1f} ms bound" if r.get("bound_ms") else ""
+        checks += [("model A, k=4: step time within 5% of the copy bound", r["step_over_bound"], 1.05, "<=", bound),
+                   ("model A, k=4: device-to-host bandwidth >= 90% of measured", r["d2h_of_link"], 0.90, ">=", ""),
+                   ("model A, k=4: host-to-device bandwidth >= 90% of measured", r["h2d_of_link"], 0.90, ">=", "")]
+    return [{"target": t, "value": v, "limit": lim, "detail": detail,
+             "met": v is not None and (v >= lim if op == ">=" else v <= lim)} for t, v, lim, op, detail in checks]
+
+
+def _ok_run(runs: Sequence[dict[str, Any]], strategy: str) -> dict[str, Any] | None:
+    return next((r for r in runs if r["strategy"] == strategy and r["status"] == "ok"), None)
+
+
+def _head_to_head_note(runs: Sequence[dict[str, Any]]) -> list[str]:
+    """One sentence on the engine's and Transformer Engine's steps measured alternately."""
+    said = []
+    for h in runs:
+        if h["status"] != "ok":
+            said.append(f"k = {h['k']}: failed ({h['reason']})")
+            continue
+        q1, q3 = h["quartiles"]
+        said.append(f"k = {h['k']}: engine {h['engine_ms']:.1f} ms, TE {h['te_ms']:.1f} ms; engine / TE "
+                    f"{h['engine_vs_te']:+.1%} (median of {h['pairs']} pairs, quartiles {q1:+.1%} .. {q3:+.1%})")
+    if not said:
+        return []
+    return ["The engine and Transformer Engine's offload, alternating step by step (the most direct "
+            "comparison of the two): " + "; ".join(said) + "."]
+
+
+def _gib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / GiB:.2f}"
+
+
+def _pct(x: float | None, signed: bool = False) -> str:
+    return "n/a" if x is None else (f"{x:+.1%}" if signed else f"{x:.1%}")
+
+
+def _grads_cell(r: dict[str, Any]) -> str:
+    g = r.get("grads")
+    if g is None:
+        return ""
+    if g["equal"] is None:
+        return "not compared: " + g["reason"]
+    if g.get("changed"):
+        return f"changed {g['changed']} of the input and weights"
+    return "bitwise equal" if g["equal"] else f"{g['mismatched']} of {g['compared']} differ (max {g['max_abs_diff']:.3g})"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The results as Markdown: the link, one table per model, the targets."""
+    link = results["link_gb_per_s"]
+    parts = [f"Device: {results['device']}, torch {results['torch']}."]
+    if results.get("device_type") == "cpu":
+        parts.append(CPU_TIMING_NOTE)
+    if link:
+        parts.append(f"Pinned copy bandwidth measured in this run: host-to-device {link['h2d']:.1f} GB/s, "
+                     f"device-to-host {link['d2h']:.1f} GB/s, both at once {link['both']:.1f} GB/s in total.")
+    header = ["k", "strategy", "peak GiB", "saving GiB", "saving / theory", "step ms", "overhead",
+              "copy bound ms", "step / bound", "d2h GB/s (of link)", "h2d GB/s (of link)", "output and gradients"]
+    for m in results["models"]:
+        spec = m["spec"]
+        rows = []
+        for r in m["runs"]:
+            strategy = r["strategy"] + (f" ({r['budget_from']}'s budget)" if r.get("budget_from") else "")
+            if r["status"] != "ok":
+                rows.append([r["k"] or "-", strategy, r["status"] + ": " + r["reason"]] + [""] * 9)
+                continue
+            bw = {key: "" if r.get(f"{key}_gb_per_s") is None else
+                  f"{r[f'{key}_gb_per_s']:.1f} ({r[f'{key}_of_link']:.0%})" for key in ("d2h", "h2d")}
+            rows.append([r["k"] or "-", strategy, _gib(r["peak_bytes"]), _gib(r["saving_bytes"]),
+                         _pct(r["saving_ratio"]), f"{r['step_ms']:.1f}", _pct(r["overhead"], True),
+                         "" if r.get("bound_ms") is None else f"{r['bound_ms']:.1f}",
+                         "" if r.get("step_over_bound") is None else f"{r['step_over_bound']:.3f}",
+                         bw["d2h"], bw["h2d"], _grads_cell(r)])
+        pred = m.get("predicted") or {}
+        stop = pred.get("copies_stop_fitting_at_k")
+        kind = m.get("layer_kind", "transformer layer")
+        saved = f"the engine's candidates {format_bytes(max(m['saved_bytes_per_layer']))}"
+        if m.get("held_bytes_per_layer"):
+            saved = f"{format_bytes(max(m['held_bytes_per_layer']))} held (measured by the allocator), {saved}"
+        parts.append(f"### Model {m['model']}: {kind}\n\n{results['config']['layers']} layers of Linear + {kind}, "
+                     f"hidden {spec['hidden']}, ffn {spec['ffn']}, {spec['heads']} heads, batch {spec['batch']}, "
+                     f"sequence {results['config']['seq']}, {results['config']['dtype']}; {spec['note']}. "
+                     f"Saved for backward per layer: {saved}."
+                     + (f" The copies stop fitting behind compute at k = {stop} (copy bound > 1.01 x baseline)."
+                        if stop else ""))
+        parts.append(format_markdown_table(rows, header))
+        parts += _te_path_note(m["runs"])
+        parts += _head_to_head_note(m.get("head_to_head", ()))
+    if results.get("targets"):
+        rows = [[t["target"], "n/a" if t["value"] is None else f"{t['value']:.3f}", f"{t['limit']:.3g}",
+                 "met" if t["met"] else "**missed**", t["detail"]] for t in results["targets"]]
+        parts.append("### Targets\n\n" + format_markdown_table(rows, ["target", "value", "limit", "result", "detail"]))
+    if results.get("planner_checks"):
+        parts.append(_planner_markdown(results["planner_checks"]))
+    if results["skipped"]:
+        parts.append("Skipped: " + "; ".join(f"{s} ({why})" for s, why in results["skipped"].items()) + ".")
+    return "\n\n".join(parts) + "\n"
+
+
+def _te_path_note(runs: list[dict[str, Any]]) -> list[str]:
+    """Sentences on Transformer Engine's paths, when the model's layers are TE's."""
+    default = _ok_run(runs, TE_DEFAULT_PATH)
+    alone = _ok_run(runs, TE_CONTEXT_ONLY)
+    said = []
+    if default is not None:
+        said.append(f"On Transformer Engine's layers every run here takes the path TE's layers take inside an "
+                    f"offload context, the engine's or TE's (TE's attention slices q, k and v off the fused "
+                    f"projection instead of passing the packed buffer), \"no offload\" and \"checkpoint\" "
+                    f"included, so that all runs compute the same thing. Outside any offload context (TE's "
+                    f"default path) a step took {default['overhead']:+.1%} against \"no offload\" (median of "
+                    f"{default['pairs']} pairs).")
+    if alone is not None:
+        said.append(f"TE's context with nothing offloaded (its hooks on every layer): {alone['overhead']:+.1%}.")
+    return [" ".join(said)] if said else []
+
+
+def _planner_markdown(checks: list[dict[str, Any]]) -> str:
+    """The planner's checks as a Markdown section: one row per model and budget, misses in bold."""
+    def verdict(met: bool | None) -> str:
+        return "n/a" if met is None else ("met" if met else "**missed**")
+
+    rows = []
+    for c in checks:
+        if "reason" in c:
+            rows.append([c["model"], f"{c['budget_from']} k={c['k']}", c["reason"]] + [""] * 8 + [verdict(c["met"])])
+            continue
+        best = c["best"]
+        vs, q = c.get("vs_best"), c.get("vs_best_quartiles")
+        rows.append([c["model"], f"{c['budget_from']} k={c['k']}", c["plan"], _gib(c["peak_bytes"]),
+                     _pct(c["overhead"], True),
+                     "none" if best is None else f"{best['strategy']} k={best['k']}: {_gib(best['peak_bytes'])} GiB, "
+                                                 f"{best['overhead']:+.1%}",
+                     (f"failed: {c['vs_best_failed']}" if c.get("vs_best_failed") else "n/a") if vs is None
+                     else f"{vs:+.1%} ({q[0]:+.1%} .. {q[1]:+.1%})",
+                     verdict(c["time_met"]), _pct(c["peak_error"], True), _pct(c["step_error"], True),
+                     verdict(c["within_budget_run"]), verdict(c["met"])])
+    header = ["model", "budget of", "plan", "peak GiB", "overhead", "best pure run at >= its peak, within budget",
+              "plan / best - 1, alternating (quartiles)", f"step <= best + {PLANNER_TIME_NOISE:.0%}", "peak error",
+              "step error", "peak <= budget's run", "result"]
+    return (f"### Planner\n\nPer budget (the predicted peak of offloading, or recomputing, the first k layers): "
+            f"the plan, its measured peak and paired overhead, the fastest engine or checkpoint run whose measured "
+            f"peak is between the planner's and that of the run the budget came from, the plan's steps against "
+            f"that run's, alternating step by step (what the time check reads), and the prediction errors "
+            f"(measured / predicted - 1, limit {PLANNER_PREDICTION_ERROR:.0%}). The planner's costs are calibrated "
+            f"on the no-offload run (see `PlannerSetup`).\n\n" + format_markdown_table(rows, header))
