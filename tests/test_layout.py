@@ -1,4 +1,5 @@
-"""The package's layout: its modules import one another without a circle, and its floors point down.
+"""The package's layout: its modules import one another without a circle, its floors point down, and
+its rooms stay small enough to hold in mind.
 
 The floors, from the bottom: ``core`` (the engine), ``features`` (what is built on it), ``instruments``
 (measuring, plotting, the benchmark), ``scenarios`` (runnable examples). A module imports only from
@@ -14,6 +15,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "offload_examples"
 FLOORS = ["core", "features", "instruments", "scenarios"]
+#: The most lines a module may have, by folder (the longest folder that holds it decides). A scenario
+#: is what users copy, so it is the shortest; the engine's module tells the life of a tensor whole.
+MOST_LINES = {"core": 500, "features": 500, "instruments/bench": 400, "scenarios": 250, "core/engine.py": 600}
 
 
 def _module_name(path: Path) -> str:
@@ -90,3 +94,21 @@ def test_the_checks_see_a_circle_and_an_upward_import():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
     assert _floor("offload_examples.scenarios.basic") > _floor("offload_examples.core.engine")
+
+
+def _most_lines(path: Path) -> int | None:
+    where = path.relative_to(PACKAGE).as_posix()
+    holders = [folder for folder in MOST_LINES if where == folder or where.startswith(folder + "/")]
+    return MOST_LINES[max(holders, key=len)] if holders else None
+
+
+def test_each_module_is_small_enough_to_hold_in_mind():
+    too_long = [f"{path.relative_to(ROOT)}: {lines} lines, more than {most}" for path in sorted(PACKAGE.rglob("*.py"))
+                if (most := _most_lines(path)) is not None and (lines := len(path.read_text().splitlines())) > most]
+    assert not too_long, "modules too long to hold in mind: " + "; ".join(too_long)
+
+
+def test_the_size_limits_apply_where_they_are_meant():
+    assert _most_lines(PACKAGE / "core" / "engine.py") == 600 and _most_lines(PACKAGE / "core" / "schedule.py") == 500
+    assert _most_lines(PACKAGE / "instruments" / "bench" / "protocol.py") == 400
+    assert _most_lines(PACKAGE / "instruments" / "timeline.py") is None

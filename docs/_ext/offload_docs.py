@@ -175,6 +175,9 @@ def resolve_reexported(app, env, node, contnode):
                 contexts.append(f"{owner.__module__}.{owner.__qualname__}.{target}")
                 contexts.append(f"{owner.__module__}.{target}")
         contexts.append(f"{module}.{target}")
+        # A module of a subpackage may name what its package exports (the planner's search names apply_plan).
+        parts = module.split(".")
+        contexts += [".".join([*parts[:cut], target]) for cut in range(len(parts) - 1, 1, -1)]
     contexts.append(f"{PACKAGE}.{target}")  # a name the package root exports
     for dotted in contexts:
         if dotted.startswith(PACKAGE) and _is_type_alias(_import(dotted)):

@@ -11,15 +11,16 @@ import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 __all__ = [
     "GradCheck", "Measurement", "StepReport", "balanced_orders", "compare_grads", "deterministic_kernels",
-    "measure_paired", "measure_round_robin", "measure_steps", "memory_by_phase", "paired_overhead",
-    "resident_vs_theory", "snapshot", "training_step",
+    "measure_paired", "measure_round_robin", "measure_stage_steps", "measure_steps", "memory_by_phase",
+    "paired_overhead", "resident_vs_theory", "snapshot", "training_step",
 ]
 
 Progress = Callable[[str], None]
@@ -186,6 +187,59 @@ def measure_steps(
     if cuda:
         peak = torch.cuda.max_memory_allocated()
     return _finish(label, model, x, times, peak, baseline, out)
+
+
+
+def measure_stage_steps(step: Callable[[], None], stage: nn.Module, params: nn.Module, steps: int,
+                        device: torch.device) -> dict[str, Any]:
+    """One pipeline stage's steps on one rank, measured the same way without and with offloading.
+
+    ``step`` runs one step of the pipeline's schedule through ``stage``, whose ``ctx`` is its offload
+    context and whose ``offloading`` switches it; ``params`` holds the stage's parameters. First a
+    step that also infers shapes, outside the context; then ``steps + 1`` steps, the first a warm-up
+    and the last recording memory at every phase start; then one more under deterministic kernels.
+
+    Returns
+    -------
+    dict
+        ``memory_trace``, ``activation_peak_bytes`` and ``step_ms`` (both ``None`` off CUDA), the
+        engine's ``theory`` and ``stats`` after the measured steps, and the last step's ``grads``
+        (parameter name -> gradient, on the host).
+    """
+    cuda = device.type == "cuda"
+    # The first step also runs one forward to infer shapes: keep it out of the context,
+    # which counts model_layers entries per step.
+    stage.offloading = False
+    step()
+    stage.offloading = True
+    times, peak, base = [], None, None
+    for i in range(steps + 1):  # the first is a warm-up
+        params.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        stage.ctx.record_memory = i == steps  # memory at every phase start of the last step
+        step()
+        stage.ctx.record_memory = False
+        if cuda:
+            end.record()
+            end.synchronize()
+            if i:
+                times.append(start.elapsed_time(end))
+                peak = max(peak or 0, torch.cuda.max_memory_allocated() - base)
+        dist.barrier()
+    # read the last measured step before the gradient check runs another (with other kernels)
+    trace = list(stage.ctx.memory_trace)
+    theory, stats = stage.ctx.theoretical(), list(stage.ctx.stats)
+    with deterministic_kernels():  # one more step with bit-reproducible kernels for the comparison
+        params.zero_grad(set_to_none=True)
+        step()
+    grads = {n: p.grad.to("cpu", copy=True) for n, p in params.named_parameters() if p.grad is not None}
+    return {"memory_trace": trace, "activation_peak_bytes": peak, "step_ms": statistics.median(times) if times else None,
+            "theory": theory, "stats": stats, "grads": grads}
 
 
 def measure_paired(

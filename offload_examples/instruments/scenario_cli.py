@@ -13,11 +13,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from offload_examples.instruments.cli import (
     DTYPES, KINDS, ArgumentParser, add_device, add_json, check_kind, check_memory, claim_output, default_device,
@@ -26,7 +28,7 @@ from offload_examples.instruments.cli import (
 from offload_examples.instruments.models import import_transformer_engine
 from offload_examples.instruments.sizes import ScenarioConfig
 
-__all__ = ["DEVICE", "Placement", "add_config_options", "make_config", "scenario_main", "size_hint"]
+__all__ = ["DEVICE", "STAGES", "Placement", "add_config_options", "make_config", "scenario_main", "size_hint"]
 
 C = TypeVar("C", bound=ScenarioConfig)
 
@@ -147,6 +149,43 @@ class Placement:
 
 #: One process on one device: ``--device`` and ``--small`` (every scenario but pipeline-dist).
 DEVICE = Placement(_device_options, _choose_device)
+
+
+def _stage_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"],
+                        help="nccl: one GPU per stage; gloo: the CPU; auto: nccl where 2 GPUs are visible, else gloo")
+    parser.add_argument("--device", choices=["cpu", "cuda"],
+                        help="cpu means --backend gloo, cuda means --backend nccl (default: from --backend)")
+    parser.add_argument("--small", action="store_true",
+                        help="the small CPU-sized model (the default with gloo)")
+
+
+def _choose_backend(parser, args: argparse.Namespace, config_cls: type[C], changes) -> tuple[C, str]:
+    """The config and the backend: one process per stage, each on a GPU (nccl) or on the CPU (gloo)."""
+    backend = {"cpu": "gloo", "cuda": "nccl"}.get(args.device, args.backend)
+    if args.device is not None and args.backend not in ("auto", backend):
+        parser.error(f"--device {args.device} means --backend {backend}, but --backend {args.backend} was given")
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "gloo"
+    small = args.small or backend == "gloo"
+    config = make_config(parser, config_cls, changes, small)
+    if backend == "nccl" and (not torch.cuda.is_available() or torch.cuda.device_count() < config.stages):
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        asked = "--device cuda" if args.device else "--backend nccl"
+        parser.error(f"{asked} needs one GPU per stage ({config.stages}); {visible} visible")
+    if not dist.is_available():
+        parser.error("this torch is built without torch.distributed")
+    if importlib.util.find_spec("numpy") is None:
+        parser.error("torch.distributed.pipelining needs numpy: pip install numpy")
+    gpus = [torch.device("cuda", r) for r in range(config.stages)] if backend == "nccl" else []
+    need = config.memory_need("cuda" if backend == "nccl" else "cpu")
+    check_memory(parser, need, gpus, here=False, hint=size_hint(args, small))
+    return config, backend
+
+
+#: One process per pipeline stage (``config.stages``), each on a GPU or on the CPU: ``--backend``, ``--device``
+#: and ``--small`` (pipeline-dist).
+STAGES = Placement(_stage_options, _choose_backend, progress=False)
 
 
 def scenario_main(

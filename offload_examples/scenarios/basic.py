@@ -10,22 +10,16 @@ Run it::
     python -m offload_examples basic                 # full size on a GPU, small on a CPU
     python -m offload_examples basic --offload 2 --json results/basic.json
 
-The heart of it, which is all a training loop needs::
-
-    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=k, model_layers=len(layers))
-    for layer in layers:
-        with ctx:
-            x = layer(x)
-        x = sync(x)
-    loss(x).backward()
+The loop to copy is :func:`train`, at the top of the module: all a training loop needs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
+from torch import nn
 
 from offload_examples import get_cpu_offload_context
 from offload_examples.instruments.cli import Need
@@ -35,7 +29,21 @@ from offload_examples.instruments.report import cpu_timing_note, format_bytes, f
 from offload_examples.instruments.scenario_cli import scenario_main
 from offload_examples.instruments.sizes import ScenarioConfig, Timing, TransformerSize
 
-__all__ = ["BasicConfig", "format_report", "main", "run"]
+__all__ = ["BasicConfig", "format_report", "main", "run", "train"]
+
+
+def train(layers: nn.ModuleList, batches: Iterable[torch.Tensor], offload: int, lr: float = 1e-3) -> None:
+    """The loop to copy: what the first ``offload`` layers save for backward waits in host memory."""
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=offload, model_layers=len(layers))
+    optimizer = torch.optim.AdamW(layers.parameters(), lr=lr)
+    for x in batches:
+        for layer in layers:
+            with ctx:  # one entry per layer: the first `offload` are copied out, released, reloaded in time
+                x = layer(x)
+            x = sync(x)  # in the backward, starts the reloads ahead of time
+        x.float().square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
 
 @dataclass

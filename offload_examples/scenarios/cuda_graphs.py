@@ -10,14 +10,7 @@ Run it::
     python -m offload_examples cuda-graphs                 # full size on a GPU
     python -m offload_examples cuda-graphs --offload 3 --json results/graphs.json
 
-The heart of it::
-
-    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=k, model_layers=len(layers),
-                                        retain_pinned_cpu_buffers=True)
-    step = lambda x: training_step(layers, x, ctx, sync)  # forward through ctx/sync, then backward
-    captured = capture_step(step, example_batch, layers.parameters())  # warm-up, then capture
-    for batch in batches:
-        captured.replay(batch)  # gradients land in each parameter's .grad
+The loop to copy is :func:`train`, at the top of the module.
 
 Capture itself needs CUDA. On a CPU the scenario runs the path a capture takes, eagerly: after
 one warm-up step the engine's host buffers are frozen (:meth:`OffloadEngine.freeze_host_buffers`),
@@ -32,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
+from torch import nn
 
 from offload_examples import get_cpu_offload_context
 from offload_examples.features.graphs import CapturedStep, capture_step
@@ -46,7 +40,21 @@ from offload_examples.instruments.scenario_cli import scenario_main
 from offload_examples.instruments.sizes import ScenarioConfig, TransformerSize
 from offload_examples.instruments.timeline import overlap_ms, record_timeline
 
-__all__ = ["GraphsConfig", "format_report", "main", "run"]
+__all__ = ["GraphsConfig", "format_report", "main", "run", "train"]
+
+
+def train(layers: nn.ModuleList, batches: Sequence[torch.Tensor], offload: int, lr: float = 1e-3) -> None:
+    """The loop to copy: a training step with offloading, captured once in a CUDA graph and replayed for
+    every batch (on CUDA; every batch has the first one's shape)."""
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=offload, model_layers=len(layers),
+                                        retain_pinned_cpu_buffers=True)  # a graph replays the same buffers
+    # warm-up steps, then the capture of one step: the forward through ctx and sync, and the backward
+    captured = capture_step(lambda x: training_step(layers, x, ctx, sync), batches[0], layers.parameters())
+    optimizer = torch.optim.AdamW(layers.parameters(), lr=lr)
+    for x in batches:
+        captured.replay(x)  # the gradients land in each parameter's .grad
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
 VARIANTS = ("eager", "eager + offload", "graphed", "graphed + offload")
 

@@ -11,11 +11,7 @@ Run it::
     python -m offload_examples optimizer-offload              # full size on a GPU
     python -m offload_examples optimizer-offload --fractions 0,0.5,1 --json results/optim.json
 
-The heart of it::
-
-    optimizer = OptimizerOffload(model.parameters(), torch.optim.Adam, fraction=0.5, lr=1e-3)
-    loss(model(x)).backward()
-    optimizer.step(); optimizer.zero_grad(set_to_none=True)
+The loop to copy is :func:`train`, at the top of the module.
 """
 
 from __future__ import annotations
@@ -24,9 +20,10 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
+from torch import nn
 
 from offload_examples.features.optim_offload import OptimizerOffload
 from offload_examples.instruments.cli import Need, Stack, fractions_arg
@@ -36,7 +33,20 @@ from offload_examples.instruments.report import cpu_timing_note, format_bytes, f
 from offload_examples.instruments.scenario_cli import scenario_main
 from offload_examples.instruments.sizes import ScenarioConfig, Timing
 
-__all__ = ["OptimizerConfig", "format_report", "main", "run"]
+__all__ = ["OptimizerConfig", "format_report", "main", "run", "train"]
+
+
+def train(layers: nn.ModuleList, batches: Iterable[torch.Tensor], fraction: float = 0.5, lr: float = 1e-3) -> None:
+    """The loop to copy: Adam's state of the first ``fraction`` of the parameter bytes lives, and is updated,
+    on the host."""
+    # closed at the end: the hooks removed, the pinned buffers given back
+    with OptimizerOffload(layers.parameters(), torch.optim.Adam, fraction, lr=lr) as optimizer:
+        for x in batches:
+            for layer in layers:
+                x = layer(x)
+            x.float().square().mean().backward()  # each offloaded gradient is copied out as soon as it is ready
+            optimizer.step()  # the host updates its part while the device updates the rest
+            optimizer.zero_grad(set_to_none=True)
 
 
 @dataclass

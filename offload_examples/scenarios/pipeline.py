@@ -3,21 +3,9 @@
 A pipeline stage runs its micro-batches in an order such as 1F1B, where backwards start before
 all forwards are done. "Offload the first k layers" does not describe that; a
 ``synchronization_dict`` does: for each offloaded micro-batch, the phase at which its copy must be
-finished (and its GPU memory released), and the phase at which its reload starts::
-
-    ORDER = "0F 1F 2F 3F 0B 4F 1B 5F 2B 6F 3B 7F 4B 5B 6B 7B"
-    ctx, sync = get_cpu_offload_context(enabled=True, model_layers=8, synchronization_dict={
-        1: (False, 0, True, 4),   # release when 0's backward starts, reload when 4's forward starts
-        ...})
-    for phase, j in parse_order(ORDER):
-        if phase == "forward":
-            with ctx:
-                out[j] = layer(x[j])
-            out[j] = sync(out[j])
-        else:
-            loss(out[j]).backward()
-
-The same schedule written with the manual synchronizer is :func:`manual_step`. Run it::
+finished (and its GPU memory released), and the phase at which its reload starts (:data:`SYNC_DICT`).
+The loop to copy is :func:`train`, at the top of the module; :func:`manual_step` is the same schedule
+written with the manual synchronizer. Run it::
 
     python -m offload_examples pipeline            # full size on a GPU, small on a CPU
 """
@@ -26,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -40,7 +28,8 @@ from offload_examples.instruments.report import cpu_timing_note, format_bytes, f
 from offload_examples.instruments.scenario_cli import scenario_main
 from offload_examples.instruments.sizes import MicroBatches, ScenarioConfig, Timing, TransformerSize
 
-__all__ = ["ORDER", "SYNC_DICT", "PipelineConfig", "format_report", "main", "manual_step", "pipeline_step", "run"]
+__all__ = ["ORDER", "SYNC_DICT", "PipelineConfig", "format_report", "main", "manual_step", "pipeline_step", "run",
+           "train"]
 
 #: One stage's order of phases: four warm-up forwards, then one backward and one forward, ...
 ORDER = "0F 1F 2F 3F 0B 4F 1B 5F 2B 6F 3B 7F 4B 5B 6B 7B"
@@ -56,42 +45,21 @@ SYNC_DICT = {
 }
 
 
-@dataclass
-class PipelineConfig(TransformerSize, MicroBatches, Timing, ScenarioConfig):
-    """Sizes of the pipeline scenario. The defaults are the full GPU size."""
-
-    kind: str = "auto"
-
-    #: The small size, which runs in seconds on a CPU: what it changes here (the shared sizes have their own).
-    SMALL = dict(kind="torch")
-
-    def memory_need(self, device_type: str) -> Need:
-        """One layer holding what every micro-batch saves (no offloading), plus one micro-batch's backward
-        temporaries, and the inputs; on the host three engines' pinned buffers (each up to every
-        micro-batch) and eight steps' gradients."""
-        one = self.stack(1, self.micro_batch, device_type)
-        every = self.stack(1, self.microbatches * self.micro_batch, device_type)
-        device = 2 * every.param_bytes + every.saved_bytes() + one.saved_bytes() + 3 * every.io_bytes
-        return Need(device, max(every.build_bytes, 3 * every.saved_bytes() + every.copies_bytes(8)))
-
-    def check(self) -> None:
-        if self.microbatches != 8:
-            raise ValueError(f"the scenario's order and schedule are written for 8 micro-batches, got {self.microbatches}")
+def train(layer: nn.Module, batches: Iterable[torch.Tensor], lr: float = 1e-3) -> None:
+    """The loop to copy: one stage's layer on its 8 micro-batches in :data:`ORDER`, offloaded as
+    :data:`SYNC_DICT` says (``batch[j]`` of each batch is micro-batch ``j``)."""
+    ctx, sync = get_cpu_offload_context(enabled=True, model_layers=8, synchronization_dict=SYNC_DICT)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=lr)
+    for batch in batches:
+        pipeline_step(layer, batch, parse_order(ORDER), ctx, sync)  # each micro-batch's forward, then its backward
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
 
-def _loss(out: torch.Tensor) -> torch.Tensor:
-    return out.float().square().mean()
-
-
-def pipeline_step(
-    layer: nn.Module,
-    x: torch.Tensor,
-    order: Sequence[tuple[str, int]],
-    ctx=None,
-    sync: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    before: Callable[[str, int], None] | None = None,
-    after_forward: Callable[[int], None] | None = None,
-) -> torch.Tensor:
+def pipeline_step(layer: nn.Module, x: torch.Tensor, order: Sequence[tuple[str, int]], ctx=None,
+                  sync: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  before: Callable[[str, int], None] | None = None,
+                  after_forward: Callable[[int], None] | None = None) -> torch.Tensor:
     """Run micro-batch ``j`` = ``x[j]`` through ``layer`` in ``order``; return the outputs.
 
     ``before(phase, j)`` runs before each phase and ``after_forward(j)`` after each forward
@@ -110,7 +78,7 @@ def pipeline_step(
                 after_forward(j)
         else:
             out = outs.pop(j)
-            _loss(out).backward()
+            out.float().square().mean().backward()
             results[j] = out.detach()
     return torch.stack(results)
 
@@ -139,6 +107,29 @@ def manual_step(layer: nn.Module, x: torch.Tensor, ctx, sync, synchronizer) -> t
     return pipeline_step(layer, x, parse_order(ORDER), ctx, sync, before, after_forward)
 
 
+@dataclass
+class PipelineConfig(TransformerSize, MicroBatches, Timing, ScenarioConfig):
+    """Sizes of the pipeline scenario. The defaults are the full GPU size."""
+
+    kind: str = "auto"
+
+    #: The small size, which runs in seconds on a CPU: what it changes here (the shared sizes have their own).
+    SMALL = dict(kind="torch")
+
+    def memory_need(self, device_type: str) -> Need:
+        """One layer holding what every micro-batch saves (no offloading), plus one micro-batch's backward
+        temporaries, and the inputs; on the host three engines' pinned buffers (each up to every
+        micro-batch) and eight steps' gradients."""
+        one = self.stack(1, self.micro_batch, device_type)
+        every = self.stack(1, self.microbatches * self.micro_batch, device_type)
+        device = 2 * every.param_bytes + every.saved_bytes() + one.saved_bytes() + 3 * every.io_bytes
+        return Need(device, max(every.build_bytes, 3 * every.saved_bytes() + every.copies_bytes(8)))
+
+    def check(self) -> None:
+        if self.microbatches != 8:
+            raise ValueError(f"the scenario's order and schedule are written for 8 micro-batches, got {self.microbatches}")
+
+
 def run(config: PipelineConfig | None = None, device: torch.device | str | None = None,
         progress: Callable[[str], None] | None = print) -> dict[str, Any]:
     """Run the order without offloading, with :data:`SYNC_DICT`, with the same schedule by hand,
@@ -157,19 +148,16 @@ def run(config: PipelineConfig | None = None, device: torch.device | str | None 
     order = parse_order(ORDER)
     say(f"pipeline scenario on {device}: 1 layer, {config.microbatches} micro-batches, order {ORDER}")
 
-    def engine(sync_dict: Mapping | None):
-        if sync_dict is None:
-            return get_cpu_offload_context(enabled=True, model_layers=8, manual_synchronization=True,
-                                           retain_pinned_cpu_buffers=True, device=device)
-        return get_cpu_offload_context(enabled=True, model_layers=8, synchronization_dict=sync_dict,
-                                       retain_pinned_cpu_buffers=True, device=device)
+    def engine(**schedule: Any):  # a synchronization_dict, or manual_synchronization=True
+        return get_cpu_offload_context(enabled=True, model_layers=8, retain_pinned_cpu_buffers=True, device=device,
+                                       **schedule)
 
     early = sync_dict_for_order(order, offload=range(1, 7), release_after=2)
     cases: dict[str, tuple] = {
-        "no offload": engine({}),  # the same hooks, nothing offloaded: the baseline
-        "synchronization_dict": engine(SYNC_DICT),
-        "manual synchronizer": engine(None),
-        "early-release dict": engine(early),
+        "no offload": engine(synchronization_dict={}),  # the same hooks, nothing offloaded: the baseline
+        "synchronization_dict": engine(synchronization_dict=SYNC_DICT),
+        "manual synchronizer": engine(manual_synchronization=True),
+        "early-release dict": engine(synchronization_dict=early),
     }
 
     def step_fn(name: str):

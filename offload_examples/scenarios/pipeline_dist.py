@@ -8,7 +8,7 @@ order offloads the first ``offload`` layers of every micro-batch: each is releas
 stage's later layers run their forward and reloaded one layer ahead of its backward.
 
 Each rank runs the same steps without and with offloading, then compares its gradients and
-peak memory. Run it::
+peak memory. The loop to copy is :func:`train`, with the stage it runs (:class:`OffloadedStage`). Run it::
 
     python -m offload_examples pipeline-dist                      # 2 ranks: nccl on 2 GPUs, else gloo on the CPU
     python -m offload_examples pipeline-dist --backend gloo --small
@@ -16,28 +16,108 @@ peak memory. Run it::
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import importlib.util
-import statistics
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from offload_examples import get_cpu_offload_context, mark_not_offload
 from offload_examples.core.orders import one_f_one_b_order, sync_dict_for_order
-from offload_examples.instruments.cli import Need, check_memory
-from offload_examples.instruments.measure import deterministic_kernels
+from offload_examples.instruments.cli import Need
+from offload_examples.instruments.measure import measure_stage_steps
 from offload_examples.instruments.models import build_basic_model
 from offload_examples.instruments.report import format_bytes, format_table
-from offload_examples.instruments.scenario_cli import Placement, make_config, scenario_main, size_hint
+from offload_examples.instruments.scenario_cli import STAGES, scenario_main
 from offload_examples.instruments.sizes import MicroBatches, ScenarioConfig, TransformerSize
 from offload_examples.instruments.spawn import Launch, run_ranks
 
-__all__ = ["DistConfig", "OffloadedStage", "expand_order", "format_report", "main", "run"]
+__all__ = ["DistConfig", "OffloadedStage", "expand_order", "format_report", "main", "run", "train"]
+
+
+class OffloadedStage(nn.Module):
+    """A pipeline stage whose layers each enter the offload context (one entry per layer)."""
+
+    def __init__(self, layers: nn.ModuleList, ctx=None, sync=None):
+        super().__init__()
+        self.layers = layers
+        self.ctx, self.sync = ctx, sync
+        #: Off while the pipeline stage infers shapes: that extra forward is not an entry of a step.
+        self.offloading = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ctx is not None and self.offloading:
+            # The stage keeps its input until the backward sends its gradient upstream, so
+            # copying it out would free nothing: keep it where it is.
+            mark_not_offload(x)
+        for layer in self.layers:
+            if self.ctx is None or not self.offloading:
+                x = layer(x)
+                continue
+            with self.ctx:
+                x = layer(x)
+            x = self.sync(x)
+        return x
+
+
+def train(layers: nn.ModuleList, batches: Iterable[torch.Tensor], cfg: DistConfig, rank: int, device: torch.device,
+          lr: float = 1e-3) -> None:
+    """The loop to copy: this rank's stage of a 1F1B pipeline, the first ``cfg.offload`` of its layers
+    offloaded in every micro-batch. Every rank calls it, in an initialised process group, with as many
+    batches as the others (only the first stage reads them: the others get their inputs from the stage before)."""
+    order, sync_dict = _stage_schedule(rank, cfg)
+    ctx, sync = get_cpu_offload_context(enabled=True, model_layers=len(order) // 2, synchronization_dict=sync_dict,
+                                        device=device)  # one entry per layer and micro-batch: half the order
+    stage = OffloadedStage(layers, ctx, sync)
+    schedule = _make_schedule(stage, rank, cfg.stages, cfg, device)
+    optimizer = torch.optim.AdamW(layers.parameters(), lr=lr)
+    for i, x in enumerate(batches):
+        stage.offloading = i > 0  # the first step infers shapes with one more forward, which is no entry
+        _pipeline_step(schedule, rank, cfg.stages, cfg, device, x, x.dtype)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def _stage_schedule(rank: int, cfg: DistConfig) -> tuple[list[tuple[str, int]], dict[int, tuple]]:
+    """This stage's context entries in 1F1B order, and the ``synchronization_dict`` that offloads the first
+    ``cfg.offload`` layers of every micro-batch: released two entries after their forward, reloaded one
+    entry ahead of their backward."""
+    order = expand_order(one_f_one_b_order(rank, cfg.stages, cfg.microbatches), cfg.layers_per_stage)
+    offload = [j * cfg.layers_per_stage + l for j in range(cfg.microbatches) for l in range(cfg.offload)]
+    return order, sync_dict_for_order(order, offload=offload, release_after=2, reload_before=1)
+
+
+def expand_order(order: Sequence[tuple[str, int]], layers: int) -> list[tuple[str, int]]:
+    """Micro-batch phases -> context entries: micro-batch ``j``'s layer ``l`` is entry ``j * layers + l``.
+
+    A forward runs the stage's layers first to last, a backward last to first.
+    """
+    out = []
+    for phase, j in order:
+        ls = range(layers) if phase == "forward" else reversed(range(layers))
+        out += [(phase, j * layers + l) for l in ls]
+    return out
+
+
+def _make_schedule(stage_module, rank, world, cfg, device):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    stage = PipelineStage(stage_module, rank, world, device)
+    return Schedule1F1B(stage, n_microbatches=cfg.microbatches, loss_fn=_loss)
+
+
+def _pipeline_step(schedule, rank, world, cfg, device, x, dtype) -> None:
+    if rank == 0:
+        schedule.step(x)
+    elif rank == world - 1:
+        schedule.step(target=torch.zeros(cfg.microbatches * cfg.micro_batch, dtype=dtype, device=device))
+    else:
+        schedule.step()
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return out.float().square().mean()
 
 
 @dataclass
@@ -67,63 +147,6 @@ class DistConfig(TransformerSize, MicroBatches, ScenarioConfig):
             raise ValueError(f"a pipeline needs at least 2 stages, got {self.stages}")
 
 
-class OffloadedStage(nn.Module):
-    """A pipeline stage whose layers each enter the offload context (one entry per layer)."""
-
-    def __init__(self, layers: nn.ModuleList, ctx=None, sync=None):
-        super().__init__()
-        self.layers = layers
-        self.ctx, self.sync = ctx, sync
-        #: Off while the pipeline stage infers shapes: that extra forward is not an entry of a step.
-        self.offloading = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ctx is not None and self.offloading:
-            # The stage keeps its input until the backward sends its gradient upstream, so
-            # copying it out would free nothing: keep it where it is.
-            mark_not_offload(x)
-        for layer in self.layers:
-            if self.ctx is None or not self.offloading:
-                x = layer(x)
-                continue
-            with self.ctx:
-                x = layer(x)
-            x = self.sync(x)
-        return x
-
-
-def expand_order(order: Sequence[tuple[str, int]], layers: int) -> list[tuple[str, int]]:
-    """Micro-batch phases -> context entries: micro-batch ``j``'s layer ``l`` is entry ``j * layers + l``.
-
-    A forward runs the stage's layers first to last, a backward last to first.
-    """
-    out = []
-    for phase, j in order:
-        ls = range(layers) if phase == "forward" else reversed(range(layers))
-        out += [(phase, j * layers + l) for l in ls]
-    return out
-
-
-def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return out.float().square().mean()
-
-
-def _make_schedule(stage_module, rank, world, cfg, device):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-    stage = PipelineStage(stage_module, rank, world, device)
-    return Schedule1F1B(stage, n_microbatches=cfg.microbatches, loss_fn=_loss)
-
-
-def _pipeline_step(schedule, rank, world, cfg, device, x, dtype) -> None:
-    if rank == 0:
-        schedule.step(x)
-    elif rank == world - 1:
-        schedule.step(target=torch.zeros(cfg.microbatches * cfg.micro_batch, dtype=dtype, device=device))
-    else:
-        schedule.step()
-
-
 def _run_rank(rank: int, device: torch.device, cfg: DistConfig) -> dict[str, Any]:
     world, dtype = cfg.stages, getattr(torch, cfg.dtype)
     model = build_basic_model(cfg.stages * cfg.layers_per_stage, cfg.hidden, cfg.heads, cfg.ffn,
@@ -133,9 +156,7 @@ def _run_rank(rank: int, device: torch.device, cfg: DistConfig) -> dict[str, Any
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     x = torch.randn(cfg.microbatches * cfg.micro_batch, cfg.seq, cfg.hidden, generator=gen, dtype=dtype).to(device)
 
-    order = expand_order(one_f_one_b_order(rank, world, cfg.microbatches), cfg.layers_per_stage)
-    offload = [j * cfg.layers_per_stage + l for j in range(cfg.microbatches) for l in range(cfg.offload)]
-    sync_dict = sync_dict_for_order(order, offload=offload, release_after=2, reload_before=1)
+    order, sync_dict = _stage_schedule(rank, cfg)
     entries = cfg.microbatches * cfg.layers_per_stage  # context entries per step: one per layer per micro-batch
     ctx, sync = get_cpu_offload_context(enabled=True, model_layers=entries, synchronization_dict=sync_dict,
                                         retain_pinned_cpu_buffers=True, device=device)
@@ -143,44 +164,16 @@ def _run_rank(rank: int, device: torch.device, cfg: DistConfig) -> dict[str, Any
     base_ctx, base_sync = get_cpu_offload_context(enabled=True, model_layers=entries, synchronization_dict={},
                                                   device=device)
     cases = {"no offload": OffloadedStage(mine, base_ctx, base_sync), "offload": OffloadedStage(mine, ctx, sync)}
-    cuda = device.type == "cuda"
     out: dict[str, Any] = {"rank": rank, "order": order, "sync_dict": {str(k): v for k, v in sync_dict.items()}}
     grads = {}
     for name, stage_module in cases.items():
         schedule = _make_schedule(stage_module, rank, world, cfg, device)
-        # The first step also runs one forward to infer shapes: keep it out of the context,
-        # which counts model_layers entries per step.
-        stage_module.offloading = False
-        _pipeline_step(schedule, rank, world, cfg, device, x, dtype)
-        stage_module.offloading = True
-        times, peak, base = [], None, None
-        for i in range(cfg.steps + 1):  # the first is a warm-up
-            mine.zero_grad(set_to_none=True)
-            if cuda:
-                torch.cuda.synchronize()
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-            stage_module.ctx.record_memory = i == cfg.steps  # memory at every phase start of the last step
-            _pipeline_step(schedule, rank, world, cfg, device, x, dtype)
-            stage_module.ctx.record_memory = False
-            if cuda:
-                end.record()
-                end.synchronize()
-                if i:
-                    times.append(start.elapsed_time(end))
-                    peak = max(peak or 0, torch.cuda.max_memory_allocated() - base)
-            dist.barrier()
-        # read the last measured step before the gradient check runs another (with other kernels)
-        trace = list(stage_module.ctx.memory_trace)
+        steps = measure_stage_steps(lambda: _pipeline_step(schedule, rank, world, cfg, device, x, dtype), stage_module,
+                                    mine, cfg.steps, device)
         if stage_module.ctx is ctx:
-            theory, stats = ctx.theoretical(), list(ctx.stats)
-        with deterministic_kernels():  # one more step with bit-reproducible kernels for the comparison
-            mine.zero_grad(set_to_none=True)
-            _pipeline_step(schedule, rank, world, cfg, device, x, dtype)
-        grads[name] = {n: p.grad.to("cpu", copy=True) for n, p in mine.named_parameters() if p.grad is not None}
-        out[name] = {"memory_trace": trace, "activation_peak_bytes": peak, "step_ms": statistics.median(times) if times else None}
+            theory, stats = steps["theory"], steps["stats"]
+        grads[name] = steps["grads"]
+        out[name] = {key: steps[key] for key in ("memory_trace", "activation_peak_bytes", "step_ms")}
     out.update(
         offloaded_bytes=sum(st.offloaded_bytes for st in stats),
         offloaded_bytes_per_entry=[st.offloaded_bytes for st in stats],
@@ -193,7 +186,7 @@ def _run_rank(rank: int, device: torch.device, cfg: DistConfig) -> dict[str, Any
         phase_order_seen=ctx.phase_order(),
         iterations=ctx.iteration + 1,  # one per step: proves model_layers matched the entries per step
     )
-    if cuda:
+    if device.type == "cuda":
         saving = out["no offload"]["activation_peak_bytes"] - out["offload"]["activation_peak_bytes"]
         out.update(saving_bytes=saving, saving_ratio=saving / theory.saving if theory.saving else None)
     return out
@@ -237,44 +230,13 @@ def format_report(report: dict[str, Any]) -> str:
     return head + "\n" + table  # no step times on a CPU (n/a), so no note that they measure nothing
 
 
-def _backend_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"],
-                        help="nccl: one GPU per stage; gloo: the CPU; auto: nccl where 2 GPUs are visible, else gloo")
-    parser.add_argument("--device", choices=["cpu", "cuda"],
-                        help="cpu means --backend gloo, cuda means --backend nccl (default: from --backend)")
-    parser.add_argument("--small", action="store_true",
-                        help="the small CPU-sized model (the default with gloo)")
-
-
-def _choose_backend(parser, args: argparse.Namespace, config_cls: type[DistConfig], changes) -> tuple[DistConfig, str]:
-    """The config and the backend: one process per stage, each on a GPU (nccl) or on the CPU (gloo)."""
-    backend = {"cpu": "gloo", "cuda": "nccl"}.get(args.device, args.backend)
-    if args.device is not None and args.backend not in ("auto", backend):
-        parser.error(f"--device {args.device} means --backend {backend}, but --backend {args.backend} was given")
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "gloo"
-    small = args.small or backend == "gloo"
-    config = make_config(parser, config_cls, changes, small)
-    if backend == "nccl" and (not torch.cuda.is_available() or torch.cuda.device_count() < config.stages):
-        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        asked = "--device cuda" if args.device else "--backend nccl"
-        parser.error(f"{asked} needs one GPU per stage ({config.stages}); {visible} visible")
-    if not dist.is_available():
-        parser.error("this torch is built without torch.distributed")
-    if importlib.util.find_spec("numpy") is None:
-        parser.error("torch.distributed.pipelining needs numpy: pip install numpy")
-    gpus = [torch.device("cuda", r) for r in range(config.stages)] if backend == "nccl" else []
-    need = config.memory_need("cuda" if backend == "nccl" else "cpu")
-    check_memory(parser, need, gpus, here=False, hint=size_hint(args, small))
-    return config, backend
-
-
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """``python -m offload_examples pipeline-dist``: run it from the command line (see :func:`.scenario_main`)."""
     # the sizes are fixed (full, or small with --small or gloo); --backend/--device say where it runs
     return scenario_main("pipeline-dist", __doc__, DistConfig, run, format_report, argv, sizes=False,
-                         placement=Placement(_backend_options, _choose_backend, progress=False),
+                         placement=STAGES,
                          failure="gradients differ with offloading")
+
 
 if __name__ == "__main__":
     main()

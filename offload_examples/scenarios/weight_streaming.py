@@ -12,11 +12,7 @@ Run it::
     python -m offload_examples weight-streaming               # full size on a GPU
     python -m offload_examples weight-streaming --layers 24 --json results/weights.json
 
-The heart of it::
-
-    model = StreamedLayers(layers, device="cuda")  # parameters move to pinned host memory
-    loss(model(x)).backward()                      # .grad of every parameter is on the host
-    host_optimizer.step(); host_optimizer.zero_grad(set_to_none=True)
+The loop to copy is :func:`train`, at the top of the module.
 """
 
 from __future__ import annotations
@@ -24,7 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -40,7 +36,17 @@ from offload_examples.instruments.scenario_cli import scenario_main
 from offload_examples.instruments.sizes import ScenarioConfig, Timing
 from offload_examples.instruments.timeline import overlap_ms, record_timeline
 
-__all__ = ["WeightsConfig", "format_report", "main", "run"]
+__all__ = ["WeightsConfig", "format_report", "main", "run", "train"]
+
+
+def train(layers: nn.ModuleList, batches: Iterable[torch.Tensor], device: torch.device | str, lr: float = 1e-3) -> None:
+    """The loop to copy: the layers' weights live in host memory and reach ``device`` one layer ahead of use."""
+    model = StreamedLayers(list(layers), device)  # parameters move to pinned host memory
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)  # on the host, where every .grad is written back
+    for x in batches:
+        model(x).float().square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
 
 @dataclass

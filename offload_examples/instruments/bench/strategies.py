@@ -56,7 +56,8 @@ TE_ON_TORCH_LAYERS = ("runs on Transformer Engine's layers only: on PyTorch's it
 
 
 def available(strategy: str, device: torch.device, kind: str | None = None) -> str | None:
-    """``None`` when ``strategy`` can run here on layers of ``kind`` (see :func:`layer_kind`), else why not."""
+    """``None`` when ``strategy`` can run here on layers of ``kind``
+    (see :func:`~offload_examples.instruments.models.layer_kind`), else why not."""
     if strategy == "save_on_cpu" and kind == TE_LAYER:
         return SAVE_ON_CPU_ON_TE
     if strategy == "torchtune" and importlib.util.find_spec("torchtune") is None:

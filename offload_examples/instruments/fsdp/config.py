@@ -42,8 +42,9 @@ class FsdpConfig(TransformerSize, Timing, ScenarioConfig):
     plan:
         Let the planner choose keep, offload or recompute for each layer (instead of ``offload``
         and ``checkpoint``): the fastest plan whose predicted peak of saved activations is at most
-        this fraction of keeping them all (0 < plan <= 1), see :func:`make_plan`; or a given
-        plan, one letter per layer: ``K`` keep, ``O`` offload, ``R`` recompute (``"OORK"``).
+        this fraction of keeping them all (0 < plan <= 1), see
+        :func:`~offload_examples.instruments.fsdp.measure.make_plan`; or a given plan, one letter per
+        layer: ``K`` keep, ``O`` offload, ``R`` recompute (``"OORK"``).
     """
 
     world: int | None = None
