@@ -68,7 +68,8 @@ class OptimizerOffload(torch.optim.Optimizer):
         docstring); pass ``reversed(list(model.parameters()))`` to offload the last layers, whose
         gradients arrive first in the backward and so have the most time to reach the host.
     optimizer_class:
-        An elementwise optimizer: one of :data:`SUPPORTED_OPTIMIZERS` or a subclass of one.
+        An elementwise optimizer: one of
+        :data:`~offload_examples.features.optim_offload.params.SUPPORTED_OPTIMIZERS` or a subclass of one.
     fraction:
         Share of the parameter bytes whose state goes to the host, in ``[0, 1]``.
     grad_copy:
