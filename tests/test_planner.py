@@ -597,6 +597,7 @@ def test_a_bare_cuda_device_means_the_current_one(monkeypatch):
     from offload_examples.core.streams import resolve_device
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert resolve_device("cuda") == torch.device("cuda", 3)
     assert resolve_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
     assert resolve_device("cpu") == torch.device("cpu")

@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from offload_examples import OffloadWarning, get_cpu_offload_context, offload_layers
+from offload_examples.instruments.models import enable_activation_checkpointing
 from test_lifetimes import MODES, N, ORDER, assert_idle, data, forward, make_ctx, make_model, run, same
 
 CPU = torch.device("cpu")
@@ -668,4 +669,29 @@ def test_nested_offload_layers_are_refused_when_applied():
     handle = offload_layers(model, Block, num_layers=2, device=CPU)
     with pytest.raises(ValueError, match="offloaded by another offload_layers"):
         offload_layers(model, nn.Linear, num_layers=2, device=CPU)
+    handle.remove()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_transformers_model_with_gradient_checkpointing_offloads_its_checkpoint_inputs(reentrant):
+    """An unmodified Llama from transformers, built from its config, with gradient_checkpointing_enable():
+    bitwise equal gradients, and what each offloaded layer gives the host is its checkpoint's input."""
+    transformers = pytest.importorskip("transformers")  # the hf extra, part of the test extra
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                                      num_key_value_heads=4, vocab_size=64, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.LlamaModel(config).train()
+    enable_activation_checkpointing(model, reentrant)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids).last_hidden_state.float().square().mean().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    expected = grads()
+    handle = offload_layers(model, type(model.layers[0]), num_layers=2, device=CPU)
+    for _ in range(2):
+        assert same(expected, grads())
+        assert [s.offloaded_bytes for s in handle.ctx.stats] == [2 * 16 * 64 * 4] * 2 + [0, 0]
     handle.remove()

@@ -14,6 +14,7 @@ from offload_examples.features.planner import Checkpointed  # noqa: F401  (the s
 
 __all__ = [
     "BasicLayer", "Checkpointed", "TE_LAYER", "TORCH_LAYER", "build_basic_model", "build_linear_stack",
+    "enable_activation_checkpointing",
     "has_transformer_engine", "import_transformer_engine", "layer_kind",
 ]
 
@@ -152,3 +153,16 @@ def build_linear_stack(
     return layers.to(device=device, dtype=dtype)
 
 
+
+
+def enable_activation_checkpointing(model: nn.Module, reentrant: bool = False) -> None:
+    """Turn on a transformers model's own activation checkpointing (each layer's call checkpointed).
+
+    ``activation_checkpointing_enable`` where transformers has it, ``gradient_checkpointing_enable``
+    (its older name) otherwise.
+    """
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})

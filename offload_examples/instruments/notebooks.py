@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["cells_missing_figures", "clean_outputs", "clean_text", "execute_notebook", "has_outputs"]
+__all__ = ["as_committed", "cells_missing_figures", "clean_outputs", "clean_text", "execute_notebook", "has_outputs"]
 
 INJECTED = "injected-parameters"
 #: The kernel draws figures inline, whatever MPLBACKEND says outside (``Agg`` would leave every
@@ -145,6 +145,22 @@ def execute_notebook(
     out.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, out)
     return out
+
+
+def as_committed(executed: str | Path, target: str | Path) -> Path:
+    """Store a notebook executed with injected parameters as if it had run with its own: the
+    injected cell goes (its values are in the stamp), so the GPU test's execution can be the one
+    committed. Returns ``target``."""
+    import nbformat
+
+    nb = nbformat.read(Path(executed), as_version=4)
+    nb.cells = [c for c in nb.cells if INJECTED not in c.get("metadata", {}).get("tags", [])]
+    stamp = nb.metadata.get("offload_examples", {})
+    stamp["parameters"] = {k: v for k, v in stamp.get("parameters", {}).items() if k != "results_json"}  # a temp path
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, target)
+    return target
 
 
 def _device_name() -> str:
