@@ -12,16 +12,15 @@ from typing import Any, Sequence, TextIO
 
 import torch
 
-from offload_examples.instruments.sizes import ScenarioConfig
-
 __all__ = [
     "CPU_TIMING_NOTE", "ProgressBar", "cpu_timing_note", "format_bytes", "format_markdown_table", "format_table",
     "report_header", "write_json",
 ]
 
 
-def report_header(scenario: str, device: torch.device, config: ScenarioConfig) -> dict[str, Any]:
-    """The first entries of every scenario's report: what ran, where, with which torch and sizes."""
+def report_header(scenario: str, device: torch.device, config: Any) -> dict[str, Any]:
+    """The first entries of every scenario's report: what ran, where, with which torch and sizes
+    (``config``, the scenario's sizes: a dataclass)."""
     return {
         "scenario": scenario,
         "device_type": device.type,

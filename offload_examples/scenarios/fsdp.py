@@ -149,8 +149,8 @@ def _run_case(config: FsdpConfig, device: torch.device, x: torch.Tensor, offload
     if engine is not None:
         stack.ctx, stack.sync = engine, engine.sync
     label = "offload" if offload else "no offload"
+    # the model, its optimizer and the engine go with this frame, before the next run is built
     return measure_training(model, stack, engine, optimizer, x, config, device, label, say, trace_path)
-    # the model, its optimizer and the engine go with this frame
 
 
 def _run_rank(rank: int, device: torch.device, config: FsdpConfig, verbose: bool,

@@ -29,6 +29,12 @@ Run it::
     python -m offload_examples bench                     # the full grid on a GPU, tiny on a CPU
     python -m offload_examples bench --models A --ks 2 4 --out results/bench
     python -m offload_examples bench --models A A-torch B --strategies "no offload" engine checkpoint planner
+
+A module per part: the models and what a run measures (``grid``), the strategies (``strategies``),
+how one strategy's run is measured (``protocol``), failures that leave the device unusable
+(``faults``), the planner's runs and checks (``planner_bench``), one model's grid (``model_grid``), a
+process per model (``isolation``), the whole run (``runner``), the targets and tables (``tables``),
+the files a run writes (``plots``) and the command line (``cli``).
 """
 
 from __future__ import annotations
