@@ -43,39 +43,45 @@ def _llama(transformers, cuda, reentrant: bool | None):
     return model
 
 
-def _peak_and_grads(model, ids, steps: int = 2):
-    """Peak memory of a step above what was allocated before it, and the gradients of the last step."""
+def _forward_memory_and_grads(model, ids, steps: int = 2):
+    """What the forward leaves allocated for the backward (above what was allocated before it), and
+    the layers' gradients, of the last of ``steps`` steps."""
     for _ in range(steps):
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        model(input_ids=ids).last_hidden_state.float().square().mean().backward()
+        loss = model(input_ids=ids).last_hidden_state.float().square().mean()
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - before
-    return peak, [p.grad.clone() for name, p in model.named_parameters() if not name.startswith("embed")]
+        held = torch.cuda.memory_allocated() - before
+        loss.backward()
+        del loss
+    # the layers' gradients (the embedding's backward accumulates with atomics: not bitwise even alone)
+    return held, [p.grad.clone() for name, p in model.named_parameters() if not name.startswith("embed")]
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_gpu_offload_layers_frees_what_transformers_checkpointing_keeps(transformers, cuda, reentrant):
-    """transformers' gradient checkpointing keeps each layer's input; offloading the first k layers
-    frees those inputs: the peak falls by what the engine offloaded, and the gradients are the same bits."""
+    """transformers' activation checkpointing keeps each layer's input for backward; offloading the
+    first k layers moves exactly those inputs to the host: what the forward leaves on the GPU falls by
+    the bytes the engine offloaded (the theory), and the gradients are the same bits.
+
+    (Where the step's peak is depends on the model: late in the backward the weight gradients have
+    grown and the offloaded inputs are back, so the peak falls only where the inputs outweigh them.)"""
     ids = torch.randint(0, 512, (4, 2048), device=cuda, generator=torch.Generator(cuda).manual_seed(1))
     model = _llama(transformers, cuda, reentrant)
     layer_class = type(model.layers[0])
-    peak_without, expected = _peak_and_grads(model, ids)
+    held_without, expected = _forward_memory_and_grads(model, ids)
     handle = offload_layers(model, layer_class, num_layers=3)
-    peak_with, got = _peak_and_grads(model, ids)
+    held_with, got = _forward_memory_and_grads(model, ids)
     offloaded = handle.ctx.offloaded_bytes
     handle.remove()
-    # the layers' gradients (the embedding's backward accumulates with atomics: not bitwise even alone)
     assert all(torch.equal(a, b) for a, b in zip(expected, got)), "gradients differ"
     one_input = 4 * 2048 * 1024 * 2  # what the checkpoint keeps per layer: its hidden states, bf16
     assert offloaded == 3 * one_input, [s.offloaded_bytes for s in handle.ctx.stats]
-    saving = peak_without - peak_with
-    print(f"reentrant={reentrant}: peak {peak_without / 2**20:.1f} -> {peak_with / 2**20:.1f} MiB, "
+    saving = held_without - held_with
+    print(f"reentrant={reentrant}: after the forward {held_without / 2**20:.1f} -> {held_with / 2**20:.1f} MiB, "
           f"saving {saving / 2**20:.1f} MiB of {offloaded / 2**20:.1f} MiB offloaded")
-    assert saving >= 0.95 * offloaded
+    assert abs(saving - offloaded) <= 0.02 * offloaded
 
 
 def test_gpu_a_compiled_model_with_offload_layers_keeps_the_bits_and_the_saving(cuda):

@@ -63,7 +63,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .entries import EngineEntries
+from .entries import EngineEntries, _disabled_for_dynamo
 from .errors import (GraphCaptureError, OffloadWarning, aborted_step_error, capture_mismatch_error, in_place_error,
                      no_buffer_error, reload_never_started_error)
 from .iteration import EngineIterations
@@ -487,6 +487,7 @@ class OffloadEngine(EngineEntries, EngineIterations, EngineReadouts, EngineSetti
         return waited
 
     # ------------------------------------------------------------------ autograd hooks
+    @_disabled_for_dynamo  # autograd calls the hooks from compiled code too: they must run as written
     def _pack(self, t: torch.Tensor) -> _Kept | _SavedView:
         """Autograd's pack hook (step 1): a :class:`~offload_examples.core.policy.KeptTensor` for a tensor the policy keeps (or while
         a layer that is not offloaded is counted), else a :class:`_SavedView` of its storage's record."""
@@ -539,6 +540,7 @@ class OffloadEngine(EngineEntries, EngineIterations, EngineReadouts, EngineSetti
         self._by_impl.setdefault(rec.weak.cdata, []).append(rec)
         return rec
 
+    @_disabled_for_dynamo
     def _unpack(self, view: _SavedView | _Kept) -> torch.Tensor:
         """Autograd's unpack hook (step 5): the kept tensor, or the view rebuilt on its record's
         device memory once the current stream has waited for that record's reload."""

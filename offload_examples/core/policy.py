@@ -8,9 +8,7 @@ can give its GPU memory back. That is never so for
   graph's ``AccumulateGrad`` node holds each of them for as long as the graph lives, so a copy would
   free nothing. Nor do their views, autocast's casts of them (its cache holds those), or what an op
   returns on their own memory;
-- tensors marked with :func:`mark_not_offload` (or with Transformer Engine's own
-  ``mark_not_offload``, which its modules use for the caches they keep), on another device, or
-  too small to pay for a copy;
+- tensors marked with :func:`mark_not_offload`, on another device, or too small to pay for a copy;
 - tensor subclasses, nested, sparse, quantized, conjugated or negated views (kept, with a warning
   for subclasses and nested tensors).
 
@@ -39,7 +37,6 @@ __all__ = ["OUTSIDE_SELECTION", "KeptTensor", "ModuleSelection", "StorageWeakRef
            "is_weight_like", "keep_reason", "mark_not_offload", "outer_hooks", "version_witness"]
 
 _KEEP_ATTR = "_offload_examples_keep"
-_TE_KEEP_ATTR = "_TE_do_not_offload"  # Transformer Engine's mark_not_offload (TE 2.x)
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
@@ -130,7 +127,7 @@ def keep_reason(t: torch.Tensor, device: torch.device, min_bytes: int) -> str | 
 
 
 def _marked(t: torch.Tensor) -> bool:
-    return getattr(t, _KEEP_ATTR, False) or getattr(t, _TE_KEEP_ATTR, False)
+    return getattr(t, _KEEP_ATTR, False)
 
 
 def held_elsewhere(storage_view: torch.Tensor, ours: int) -> bool:
