@@ -73,7 +73,7 @@ stored_sources = {
     "tests-2gpu": "docs/evidence/2xh200-nccl/tests_2gpu.log",
     # notebooks: their stored outputs
     "concepts": "notebooks/01_concepts.ipynb",  # copies, bandwidths, pinning
-    "fsdp-notebook": "notebooks/08_fsdp.ipynb",  # FSDP2 and DDP on one H100
+    "fsdp-notebook": "notebooks/08_fsdp.ipynb",  # FSDP2 and DDP on one H200
 }
 
 extensions = [

@@ -43,6 +43,18 @@ def cuda() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo_for_te(request):
+    """Transformer Engine compiles some of its fused functions (the bias-GeLU gradient of its MLP
+    among them) with torch.compile. Dynamo remembers the shapes it has seen in the process and
+    recompiles a function it has seen at other shapes as a dynamic-shape kernel, whose reduction may
+    add in another order: a test comparing bits would then depend on the tests before it. Each test
+    that uses TE starts from a fresh Dynamo, as a process of its own would."""
+    if "te" in request.fixturenames:
+        torch.compiler.reset()
+    yield
+
+
 @pytest.fixture(scope="session")
 def te():
     """``transformer_engine.pytorch``. Without Transformer Engine a test using it is skipped, unless
