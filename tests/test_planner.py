@@ -250,6 +250,75 @@ def test_semantics_by_hand():
     assert DefaultSchedule(1, 3).actions("forward", 2) == [("release", 0)]
 
 
+@EXAMPLES
+@given(st.data())
+def test_a_host_budget_is_never_exceeded_and_costs_only_what_it_must(data):
+    """Under a pinned host budget the plan is the fastest of the plans within both budgets (brute force),
+    and its host bytes are what its offloaded layers copy out."""
+    costs, link, base = instance(data, exact=True)
+    results = brute_force(costs, link, base, True)
+    budget = draw_budget(data, results)
+    hosts = sorted({planner.plan_host_bytes(ch, costs, caps) for ch, caps, _ in results})
+    host = data.draw(st.one_of(st.sampled_from(hosts), st.integers(0, hosts[-1] + 1)), label="host budget")
+    got = plan(costs, link, budget, base, host_budget_bytes=host)
+    assert got.host_bytes == planner.plan_host_bytes(got.choices, costs, got.caps) <= host or not got.feasible
+    assert got.host_budget_bytes == host
+    fits = {key: r for key, r in results.items()
+            if r[0] <= budget and planner.plan_host_bytes(key[0], costs, key[1]) <= host}
+    if not fits:
+        assert not got.feasible and got.why
+        return
+    assert got.feasible and got.predicted_step_ms == min(ms for _, ms in fits.values())
+    offloaded = [c for c, ch in zip(costs, got.choices) if ch is OFFLOAD]
+    assert got.host_bytes == sum(planner.capped_bytes(c, got.caps[i]) for i, c in enumerate(costs)
+                                 if got.choices[i] is OFFLOAD) and (got.host_bytes > 0) == bool(offloaded)
+
+
+def test_a_host_budget_that_no_plan_meets_names_the_smallest_that_would():
+    # recomputing saves nothing here (every layer's input is all it saves): only offloading frees memory
+    costs = [LayerCost(1.0, 2.0, 100 * MB, 100 * MB) for _ in range(4)]
+    link = LinkCost(10.0, 10.0, 12.0)
+    ample = plan(costs, link, 250 * MB, host_budget_bytes=None)
+    assert ample.feasible and ample.host_bytes == 200 * MB and ample.host_budget_bytes is None
+    got = plan(costs, link, 250 * MB, host_budget_bytes=150 * MB)
+    assert not got.feasible and got.host_bytes <= 150 * MB
+    assert got.why == (f"the plans that fit the budget of {250 * MB} bytes need at least {200 * MB} bytes of pinned "
+                       f"host memory > host budget {150 * MB} bytes")
+    assert plan(costs, link, 250 * MB, host_budget_bytes=200 * MB).feasible
+    assert "pinned host 190.73 MiB (host budget 190.73 MiB)" in str(plan(costs, link, 250 * MB,
+                                                                        host_budget_bytes=200 * MB))
+    assert [p.host_bytes for p in pareto(costs, link, host_budget_bytes=100 * MB)] == [100 * MB, 0]
+    with pytest.raises(ValueError, match="host_budget_bytes must be a finite int >= 0"):
+        plan(costs, link, 250 * MB, host_budget_bytes=-1)
+
+
+def test_the_default_host_budget_is_a_share_of_available_memory_per_local_process(monkeypatch):
+    from offload_examples.features.planner import costs as costs_module
+
+    monkeypatch.setattr(costs_module, "_available_host_bytes", lambda: 64 * 2**30)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert planner.host_budget() == 32 * 2**30
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # torchrun's processes of one node share its memory
+    assert planner.host_budget() == 4 * 2**30
+    assert planner.host_budget(share=0.25, processes=2) == 8 * 2**30
+    for bad in ({"share": 0}, {"share": 1.5}, {"processes": 0}):
+        with pytest.raises(ValueError):
+            planner.host_budget(**bad)
+    monkeypatch.undo()
+    assert 0 < planner.host_budget() < costs_module._available_host_bytes()
+    # plan()'s default: a plan on this machine is within it
+    costs = [LayerCost(1.0, 2.0, 100 * MB, 10 * MB) for _ in range(3)]
+    assert 0 < plan(costs, LinkCost(10.0, 10.0, 12.0), 10**12).host_budget_bytes <= costs_module._available_host_bytes()
+
+
+def test_apply_plan_makes_the_host_budget_the_engines_limit():
+    chosen = Plan((OFFLOAD, KEEP), 0, 0.0, host_bytes=10, host_budget_bytes=1234)
+    ctx, _, _ = planner.apply_plan(chosen, [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)], "cpu")
+    assert ctx.pool.limit_bytes == 1234
+    ctx, _, _ = planner.apply_plan(chosen, [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)], "cpu", host_memory_limit=99)
+    assert ctx.pool.limit_bytes == 99
+
+
 def test_infeasible_budgets_say_why():
     costs = [LayerCost(1.0, 2.0, 100 * MB, 10 * MB) for _ in range(4)]
     link = LinkCost(10.0, 10.0, 12.0)

@@ -27,6 +27,10 @@ The step modelled is :class:`~offload_examples.core.schedule.DefaultSchedule`'s:
   compute where a whole layer's would not. Where ``LayerCost.storage_modules`` is known, the plan
   also says which submodules saved what the cap takes (``Plan.parts``, :func:`cap_in_modules`).
 
+Pinned host memory is what the offloaded layers copy out, all of it held at once
+(:func:`plan_host_bytes`); :func:`plan` keeps it within a host budget (:func:`host_budget`: half of
+what the host has available, shared among the node's processes).
+
 Peak memory is ``base_bytes`` plus the most saved bytes resident at any phase
 (:meth:`DefaultSchedule.simulate`, plus a recomputed layer's ``saved_bytes`` during its backward);
 the step time is ``predict_step_ms`` with each layer's times under its choice
@@ -46,13 +50,14 @@ from __future__ import annotations
 from .apply import Checkpointed, apply_plan
 from .costs import (
     KEEP, OFFLOAD, RECOMPUTE, TIME_FIELDS, Choice, LayerCost, LinkCost, ModuleCost, cap_in_modules, capped_bytes,
-    partial_caps,
+    host_budget, partial_caps,
 )
-from .model import Plan, SubsetSchedule, offload_schedule, simulate_plan
+from .model import Plan, SubsetSchedule, offload_schedule, plan_host_bytes, simulate_plan
 from .search import EXHAUSTIVE_MAX_LAYERS, pareto, plan
 
 __all__ = [
     "KEEP", "OFFLOAD", "RECOMPUTE", "Checkpointed", "Choice", "LayerCost", "LinkCost", "ModuleCost", "Plan",
     "SubsetSchedule",
-    "apply_plan", "cap_in_modules", "capped_bytes", "offload_schedule", "pareto", "partial_caps", "plan", "simulate_plan",
+    "apply_plan", "cap_in_modules", "capped_bytes", "host_budget", "offload_schedule", "pareto", "partial_caps", "plan",
+    "plan_host_bytes", "simulate_plan",
 ]

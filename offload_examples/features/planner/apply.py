@@ -98,7 +98,8 @@ def apply_plan(chosen: Plan, layers: Sequence[nn.Module], device: torch.device |
 
     ``engine_options`` go to :class:`~offload_examples.OffloadEngine` (``retain_pinned_cpu_buffers``,
     ``min_offload_bytes``...); the plan's ``caps`` become its
-    ``max_offload_bytes_per_layer``. Raises ``ValueError`` when the plan and the layers differ in
+    ``max_offload_bytes_per_layer``, and its ``host_budget_bytes`` the engine's ``host_memory_limit``
+    (unless given here). Raises ``ValueError`` when the plan and the layers differ in
     length, or when both the plan and ``engine_options`` cap bytes.
     """
     if len(chosen.choices) != len(layers):
@@ -107,6 +108,9 @@ def apply_plan(chosen: Plan, layers: Sequence[nn.Module], device: torch.device |
         if engine_options.get("max_offload_bytes_per_layer") is not None:
             raise ValueError("the plan caps the bytes of some layers: max_offload_bytes_per_layer would override it")
         engine_options["max_offload_bytes_per_layer"] = chosen.capped
+    if chosen.host_budget_bytes is not None:
+        # the engine refuses to pin more than the plan was allowed, instead of exhausting the node's memory
+        engine_options.setdefault("host_memory_limit", chosen.host_budget_bytes)
     offloaded = [i for i, c in enumerate(chosen.choices) if c is OFFLOAD]
     # a plan that offloads nothing must not hook every layer in every step, as a probe does
     engine_options.setdefault("count_every_layer", False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -228,3 +229,35 @@ class LinkCost:
             _check("LinkCost", name, getattr(self, name), float)
             if getattr(self, name) == 0:
                 raise ValueError(f"LinkCost.{name} must be > 0")
+
+
+def host_budget(share: float = 0.5, processes: int | None = None) -> int:
+    """A safe pinned host-memory budget for one process: ``share`` of the memory available now,
+    divided among the ``processes`` of this node that offload (default: ``LOCAL_WORLD_SIZE``, which
+    ``torchrun`` sets, else 1).
+
+    Pinned pages cannot be swapped out, so a budget that takes all free memory starves the data
+    loaders, the checkpoint writer and the OS, and the node fails in ways far from the cause; half of
+    what is available leaves them room. The processes of one node share its memory, so each gets its
+    part. Available memory is Linux's ``MemAvailable`` (free plus reclaimable cache), or the free pages
+    where ``/proc/meminfo`` is missing.
+    """
+    if not 0 < share <= 1:
+        raise ValueError(f"share must be in (0, 1], got {share!r}")
+    if processes is None:
+        processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    if not isinstance(processes, int) or isinstance(processes, bool) or processes < 1:
+        raise ValueError(f"processes must be an int >= 1, got {processes!r}")
+    return int(share * _available_host_bytes()) // processes
+
+
+def _available_host_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+

@@ -14,7 +14,7 @@ from typing import Any
 from ...core.schedule import DefaultSchedule
 from .costs import KEEP, OFFLOAD, RECOMPUTE, Choice, LayerCost, LinkCost, capped_bytes
 
-__all__ = ["Plan", "SubsetSchedule", "offload_schedule", "simulate_plan"]
+__all__ = ["Plan", "SubsetSchedule", "offload_schedule", "plan_host_bytes", "simulate_plan"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,20 @@ def simulate_plan(choices: Sequence[Choice | str], costs: Sequence[LayerCost], l
     return base_bytes + peak, ms
 
 
+def plan_host_bytes(choices: Sequence[Choice | str], costs: Sequence[LayerCost],
+                    caps: Sequence[int | None] | None = None) -> int:
+    """The pinned host bytes a plan holds: what its offloaded layers copy out (a capped layer's share).
+
+    Every offloaded layer is out at once: the copies of all of them have left by the end of the
+    forward, and the first reload starts in the backward. The engine's pool lends buffers of exactly
+    the bytes copied and keeps them for the next step (``retain_pinned_cpu_buffers``), so this is
+    also what the pool holds between steps.
+    """
+    choices = tuple(Choice(c) for c in choices)
+    caps = _checked_caps(caps, choices)
+    return sum(capped_bytes(c, cap) for c, ch, cap in zip(costs, choices, caps) if ch is OFFLOAD)
+
+
 def _per_layer(values: Sequence[Any] | None, choices: tuple[Choice, ...], field: str, entry: str, must_be: str,
                ok: Any, only: Choice, participle: str) -> tuple[Any, ...]:
     """``values`` as one entry per layer (all ``None`` when not given): each ``None`` or, on a layer whose
@@ -122,7 +136,9 @@ class Plan:
     cap of an offloaded layer that offloads only part of what it saves (``None``: all of it, and for
     every layer not offloaded); :func:`apply_plan` hands them to the engine. ``modules`` holds, per
     layer, the submodule a recomputed layer recomputes (``None``: the whole layer, and for every layer
-    not recomputed); :func:`apply_plan` checkpoints that module inside the layer.
+    not recomputed); :func:`apply_plan` checkpoints that module inside the layer. ``host_bytes`` is
+    the pinned host memory the plan holds, within ``host_budget_bytes`` when :func:`plan` had one
+    (:func:`apply_plan` then makes it the engine's ``host_memory_limit``).
     """
 
     choices: tuple[Choice, ...]
@@ -136,6 +152,9 @@ class Plan:
     #: or the modules unknown). :func:`plan` fills it in; printing the plan shows it.
     parts: tuple[str | None, ...] = ()
     modules: tuple[str | None, ...] = ()
+    #: Pinned host bytes the plan holds (:func:`plan_host_bytes`); :func:`plan` fills it in.
+    host_bytes: int = 0
+    host_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "choices", tuple(Choice(c) for c in self.choices))
@@ -172,13 +191,15 @@ class Plan:
         return {"choices": [c.value for c in self.choices], "predicted_peak_bytes": self.predicted_peak_bytes,
                 "predicted_step_ms": self.predicted_step_ms, "feasible": self.feasible, "why": self.why,
                 "budget_bytes": self.budget_bytes, "caps": list(self.caps), "parts": list(self.parts),
-                "modules": list(self.modules)}
+                "modules": list(self.modules), "host_bytes": self.host_bytes,
+                "host_budget_bytes": self.host_budget_bytes}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
         return cls(tuple(data["choices"]), int(data["predicted_peak_bytes"]), float(data["predicted_step_ms"]),
                    bool(data["feasible"]), str(data.get("why", "")), data.get("budget_bytes"),
-                   tuple(data.get("caps") or ()), tuple(data.get("parts") or ()), tuple(data.get("modules") or ()))
+                   tuple(data.get("caps") or ()), tuple(data.get("parts") or ()), tuple(data.get("modules") or ()),
+                   int(data.get("host_bytes", 0)), data.get("host_budget_bytes"))
 
     def describe(self, layer: int) -> str:
         """``layer``'s choice in words: ``offload``, ``offload up to 96.00 MiB``, ``recompute mlp``, ``keep``..."""
@@ -207,8 +228,10 @@ class Plan:
     def __str__(self) -> str:
         mib = 2**20
         budget = "" if self.budget_bytes is None else f" (budget {self.budget_bytes / mib:.2f} MiB)"
+        host = "" if not self.host_bytes else f", pinned host {self.host_bytes / mib:.2f} MiB" + (
+            "" if self.host_budget_bytes is None else f" (host budget {self.host_budget_bytes / mib:.2f} MiB)")
         head = [(f"plan for {len(self.choices)} layers: peak {self.predicted_peak_bytes / mib:.2f} MiB{budget}, "
-                 f"step {self.predicted_step_ms:.3f} ms")]
+                 f"step {self.predicted_step_ms:.3f} ms{host}")]
         if not self.feasible:
             head.append(f"infeasible: {self.why}")
         rows = [f"{i:5d}  {self.describe(i)}" + (f": {part}" if part else "") for i, part in enumerate(self.parts)]

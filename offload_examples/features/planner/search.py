@@ -9,9 +9,10 @@ from collections.abc import Sequence
 
 from ...core.schedule import DefaultSchedule
 from .costs import (
-    KEEP, OFFLOAD, RECOMPUTE, Choice, LayerCost, LinkCost, _check, cap_in_modules, capped_bytes, partial_caps,
+    KEEP, OFFLOAD, RECOMPUTE, Choice, LayerCost, LinkCost, _check, cap_in_modules, capped_bytes, host_budget,
+    partial_caps,
 )
-from .model import Plan, simulate_plan
+from .model import Plan, plan_host_bytes, simulate_plan
 
 __all__ = ["EXHAUSTIVE_MAX_LAYERS", "pareto", "plan"]
 
@@ -126,11 +127,14 @@ def _every_plan(costs: Sequence[LayerCost], partial: bool):
 
 
 def _front(costs: Sequence[LayerCost], link: LinkCost, base_bytes: int, cap: float,
-           prefix_only: bool, partial: bool) -> list[tuple]:
-    """Non-dominated ``(rounded step_ms, peak_bytes, changes, step_ms, (choices, caps, modules))`` with peak <= ``cap``."""
+           prefix_only: bool, partial: bool, host_cap: float = math.inf) -> list[tuple]:
+    """Non-dominated ``(rounded step_ms, peak_bytes, changes, step_ms, (choices, caps, modules))`` with peak <=
+    ``cap`` and pinned host bytes <= ``host_cap``."""
     n = len(costs)
     if prefix_only:
+        # the host bytes depend only on k and the last layer's cap: a prefix over the host budget is not searched
         found = [f for k in range(n) for last in _caps_to_try(costs, k - 1 if k else None, partial)
+                 if _prefix_host_bytes(costs, k, last) <= host_cap
                  for f in _prefix_front(costs, link, k, cap - base_bytes, last)]
         found = [(f[3], *f[4]) for f in _nondominated(found, 2)]  # then re-simulated: the numbers reported
     elif n > EXHAUSTIVE_MAX_LAYERS:
@@ -144,9 +148,24 @@ def _front(costs: Sequence[LayerCost], link: LinkCost, base_bytes: int, cap: flo
     out = []
     for ch, caps, modules in found:
         peak, ms = simulate_plan(ch, costs, link, base_bytes, caps, modules)
-        if peak <= cap:
+        if peak <= cap and plan_host_bytes(ch, costs, caps) <= host_cap:
             out.append((round(ms, _DECIMALS), peak, sum(c is not KEEP for c in ch), ms, (ch, caps, modules)))
     return _nondominated(out, 2)
+
+
+def _prefix_host_bytes(costs: Sequence[LayerCost], k: int, last_cap: int | None) -> int:
+    """The pinned host bytes of offloading the first ``k`` layers, the last of them under ``last_cap``."""
+    return sum(capped_bytes(c, last_cap if i == k - 1 else None) for i, c in enumerate(costs[:k]))
+
+
+def _host_cap(host_budget_bytes: int | str | None) -> tuple[float, int | None]:
+    """``(the cap the search applies, the budget a plan reports)`` for :func:`plan`'s ``host_budget_bytes``."""
+    if host_budget_bytes == "auto":
+        host_budget_bytes = host_budget()
+    if host_budget_bytes is None:
+        return math.inf, None
+    _check("plan", "host_budget_bytes", host_budget_bytes, int)
+    return host_budget_bytes, host_budget_bytes
 
 
 def _validate(costs: Sequence[LayerCost], link: LinkCost, base_bytes: int) -> list[LayerCost]:
@@ -180,8 +199,14 @@ def _undo_free_recomputations(choices: tuple[Choice, ...], caps: tuple[int | Non
 
 
 def plan(costs: Sequence[LayerCost], link: LinkCost, budget_bytes: int, base_bytes: int = 0,
-         prefix_only: bool = True, partial: bool = True) -> Plan:
-    """The fastest predicted plan whose predicted peak is <= ``budget_bytes``.
+         prefix_only: bool = True, partial: bool = True, host_budget_bytes: int | str | None = "auto") -> Plan:
+    """The fastest predicted plan whose predicted peak is <= ``budget_bytes`` and whose pinned host
+    memory (:func:`plan_host_bytes`) is <= ``host_budget_bytes``.
+
+    ``host_budget_bytes``: ``"auto"`` (the default) is :func:`host_budget`, half of the host memory
+    available now, shared among the node's processes; ``None`` sets no limit. A plan over it is never
+    chosen; when the GPU budget can be met only with more host memory, the plan is infeasible and
+    ``why`` names the smallest host budget that would do.
 
     Step times are compared rounded to ``10**-_DECIMALS`` ms. Ties go to the lower peak, then to fewer
     layers changed from KEEP (a RECOMPUTE that buys neither time nor peak is undone), so a budget no
@@ -224,21 +249,37 @@ def plan(costs: Sequence[LayerCost], link: LinkCost, budget_bytes: int, base_byt
     """
     costs = _validate(costs, link, base_bytes)
     _check("plan", "budget_bytes", budget_bytes, int)
-    front = _front(costs, link, base_bytes, budget_bytes, prefix_only, partial)
+    host_cap, host_budget_bytes = _host_cap(host_budget_bytes)
+    front = _front(costs, link, base_bytes, budget_bytes, prefix_only, partial, host_cap)
     if front:
         rounded, peak, _, ms, (ch, caps, modules) = front[0]
         ch, modules = _undo_free_recomputations(ch, caps, modules, costs, link, base_bytes, rounded, peak)
         peak, ms = simulate_plan(ch, costs, link, base_bytes, caps, modules)
-        return Plan(ch, peak, ms, True, "", budget_bytes, caps, _parts(costs, caps), modules)
-    _, peak, _, ms, (ch, caps, modules) = min(_front(costs, link, base_bytes, math.inf, prefix_only, partial),
+        return Plan(ch, peak, ms, True, "", budget_bytes, caps, _parts(costs, caps), modules,
+                    plan_host_bytes(ch, costs, caps), host_budget_bytes)
+    _, peak, _, ms, (ch, caps, modules) = min(_front(costs, link, base_bytes, math.inf, prefix_only, partial, host_cap),
                                               key=lambda p: p[1::-1])
+    why = _why_infeasible(costs, link, base_bytes, budget_bytes, prefix_only, partial, host_cap,
+                          Plan(ch, peak, ms, caps=caps, modules=modules))
+    return Plan(ch, peak, ms, False, why, budget_bytes, caps, _parts(costs, caps), modules,
+                plan_host_bytes(ch, costs, caps), host_budget_bytes)
+
+
+def _why_infeasible(costs: Sequence[LayerCost], link: LinkCost, base_bytes: int, budget_bytes: int,
+                    prefix_only: bool, partial: bool, host_cap: float, lowest: Plan) -> str:
+    """One line on why no plan fits: the base alone, the host budget (naming the smallest that would
+    do), or the GPU budget (naming the lowest peak any plan reaches)."""
     if base_bytes > budget_bytes:
-        why = f"base_bytes={base_bytes} alone exceed the budget of {budget_bytes} bytes"
-    else:
-        lowest = Plan(ch, peak, ms, caps=caps, modules=modules).summary()
-        why = (f"even the plan with the lowest peak ({lowest}) needs {peak} bytes > budget {budget_bytes} "
-               f"bytes ({base_bytes} of them base_bytes)" + ("; OFFLOAD limited to a prefix" if prefix_only else ""))
-    return Plan(ch, peak, ms, False, why, budget_bytes, caps, _parts(costs, caps), modules)
+        return f"base_bytes={base_bytes} alone exceed the budget of {budget_bytes} bytes"
+    if host_cap != math.inf:
+        fitting = _front(costs, link, base_bytes, budget_bytes, prefix_only, partial)
+        if fitting:
+            need = min(plan_host_bytes(ch, costs, caps) for *_, (ch, caps, _) in fitting)
+            return (f"the plans that fit the budget of {budget_bytes} bytes need at least {need} bytes of pinned "
+                    f"host memory > host budget {int(host_cap)} bytes")
+    return (f"even the plan with the lowest peak ({lowest.summary()}) needs {lowest.predicted_peak_bytes} bytes "
+            f"> budget {budget_bytes} bytes ({base_bytes} of them base_bytes)"
+            + ("; OFFLOAD limited to a prefix" if prefix_only else ""))
 
 
 def _parts(costs: Sequence[LayerCost], caps: tuple[int | None, ...]) -> tuple[str | None, ...]:
@@ -246,12 +287,16 @@ def _parts(costs: Sequence[LayerCost], caps: tuple[int | None, ...]) -> tuple[st
 
 
 def pareto(costs: Sequence[LayerCost], link: LinkCost, base_bytes: int = 0, prefix_only: bool = True,
-           partial: bool = True) -> list[Plan]:
+           partial: bool = True, host_budget_bytes: int | str | None = None) -> list[Plan]:
     """Every plan that no other beats on both predicted peak and step time, by increasing peak.
 
-    Same search as :func:`plan` without a budget; for each budget, :func:`plan` returns one of these.
+    Same search as :func:`plan` without a GPU budget; for each budget, :func:`plan` with the same
+    ``host_budget_bytes`` returns one of these. ``host_budget_bytes`` (``None``: no limit, the
+    default; ``"auto"``: :func:`host_budget`) leaves out the plans that hold more pinned host memory.
     """
     costs = _validate(costs, link, base_bytes)
-    front = _front(costs, link, base_bytes, math.inf, prefix_only, partial)
-    return [Plan(ch, peak, ms, caps=caps, parts=_parts(costs, caps), modules=modules)
+    host_cap, host_budget_bytes = _host_cap(host_budget_bytes)
+    front = _front(costs, link, base_bytes, math.inf, prefix_only, partial, host_cap)
+    return [Plan(ch, peak, ms, caps=caps, parts=_parts(costs, caps), modules=modules,
+                 host_bytes=plan_host_bytes(ch, costs, caps), host_budget_bytes=host_budget_bytes)
             for _, peak, _, ms, (ch, caps, modules) in sorted(front, key=lambda p: p[1::-1])]
