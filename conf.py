@@ -46,6 +46,7 @@ stored_sources = {
     "bench": "docs/evidence/h100-bench/bench.json",
     "model-A": "docs/evidence/h100-bench/bench.json#models[A]",  # Transformer Engine's layers
     "model-A-torch": "docs/evidence/h100-bench/bench.json#models[A-torch]",  # model A's shapes, PyTorch's layers
+    "model-B": "docs/evidence/h100-bench/bench.json#models[B]",  # PyTorch's layer with its defaults (ReLU, dropout)
     "model-A-wide": "docs/evidence/h100-bench/bench.json#models[A-wide]",  # TE layers, twice the width, half the batch
     # output and gradients of one step against a plain step, bit for bit: four layers of models A and A-torch
     "grads-A": "docs/evidence/h100-bench/bench_grads.json#models[A]",

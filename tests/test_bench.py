@@ -421,6 +421,61 @@ def test_memory_curve_from_recorded_snapshot():
     assert len(ax.get_legend().get_texts()) == 2
 
 
+def test_a_models_table_shows_each_rows_paired_baseline():
+    """Each overhead is against the no-offload steps its row alternated with: their median is a column,
+    so that a row faster than the "no offload" row but slower than its own baseline reads right."""
+    runs = [{"strategy": "no offload", "k": 0, "status": "ok", "peak_bytes": 2 * tables.GiB, "saving_bytes": 0,
+             "saving_ratio": None, "step_ms": 100.0, "overhead": 0.0},
+            {"strategy": "checkpoint", "k": 3, "status": "ok", "peak_bytes": tables.GiB, "saving_bytes": tables.GiB,
+             "saving_ratio": 0.95, "step_ms": 95.0, "reference_ms": 90.0, "overhead": 0.055},
+            {"strategy": "save_on_cpu", "k": 3, "status": "skipped", "reason": "crashes"}]
+    columns = ["k", "strategy", "saving / theory", "baseline ms", "step ms", "overhead"]
+    text = tables.model_table({"runs": runs}, columns)
+    assert text.splitlines()[0] == "| k | strategy | saving / theory | baseline ms | step ms | overhead |"
+    assert "| - | no offload | n/a | - | 100.0 | +0.0% |" in text and "| 3 | checkpoint | 95.0% | 90.0 | 95.0 | +5.5% |" in text
+    assert "| 3 | save_on_cpu | skipped: crashes |" in text
+    assert "save_on_cpu" not in tables.model_table({"runs": runs}, columns, failed=False)
+    assert "checkpoint" not in tables.model_table({"runs": runs}, columns, strategies=["no offload"])
+
+
+def _bench_results_to_draw() -> dict:
+    """Two models: the engine (with its copy bound) on one, save_on_cpu on the other only."""
+    def run(strategy, k, overhead, saving):
+        return {"strategy": strategy, "k": k, "status": "ok", "peak_bytes": 10 * tables.GiB - saving,
+                "saving_bytes": saving, "saving_ratio": 1.0 if k else None, "step_ms": 100 * (1 + overhead),
+                "overhead": overhead}
+    return {"models": [
+        {"model": "A", "layer_kind": TE_LAYER, "runs": [run("no offload", 0, 0.0, 0), run("engine", 1, 0.01, tables.GiB),
+                                                        run("engine", 2, 0.05, 2 * tables.GiB)],
+         "predicted": {"bound_ms": {"1": 100.0, "2": 104.0}, "copies_stop_fitting_at_k": 2}},
+        {"model": "B", "layer_kind": TORCH_LAYER, "runs": [run("no offload", 0, 0.0, 0),
+                                                           run("save_on_cpu", 1, 0.3, tables.GiB)]}]}
+
+
+def test_bench_figures_are_legible_with_one_legend_for_every_line():
+    """One legend under the panels names every line any panel draws (a strategy that runs on the second
+    model only included), and no text is smaller than 9 pt at the size the figure is drawn."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    from offload_examples.instruments import plots
+
+    results = _bench_results_to_draw()
+    for draw in (plots.plot_bench_overhead, plots.plot_bench_memory_time, plots.plot_bench_saving):
+        fig = draw(results)
+        fig.canvas.draw()
+        (legend,) = fig.legends
+        labels = [t.get_text() for t in legend.get_texts()]
+        assert {"engine", "save_on_cpu"} <= set(labels), (draw.__name__, labels)
+        assert all(ax.get_legend() is None for ax in fig.axes)
+        sizes = [t.get_fontsize() for t in fig.findobj(matplotlib.text.Text) if t.get_text() and t.get_visible()]
+        assert min(sizes) >= plots.BENCH_FONT, (draw.__name__, min(sizes))
+        matplotlib.pyplot.close(fig)
+    fig = plots.plot_bench_overhead(results, models=["B"], strategies=["save_on_cpu"], bound=False)
+    assert [ax.get_title() for ax in fig.axes] == ["model B: PyTorch's layers"]
+    assert fig.get_figwidth() == plots.COLUMN_INCHES
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["save_on_cpu"]
+
+
 def test_progress_bar_off_a_terminal():
     out = io.StringIO()
     bar = ProgressBar(4, out)

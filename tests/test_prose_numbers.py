@@ -187,6 +187,51 @@ def _te_fits_up_to(d: Data) -> tuple[str, ...]:
     return _claim(stop == k + 1, (str(k), _f((n - k) * fwd), _f(k * copy)), f"the bound's line is at k = {stop}")
 
 
+def _k_fits(d: Data, model: str) -> float:
+    """The most layers whose copies hide behind the others' forward: ``k <= N t / (t + B / W)``."""
+    t = d.forward_ms(model)
+    return d.bench["config"]["layers"] * t / (t + d.copy_ms(model))
+
+
+def _k_worked(model: str, words: bool = True) -> Callable[[Data], tuple[str, ...]]:
+    """``N``, ``t_fwd``, ``t_fwd``, ``B / W`` (ms, two decimals), ``k`` solved (one decimal), and with
+    ``words`` the layers that hide, in a word."""
+    def expected(d: Data) -> tuple[str, ...]:
+        t, copy, k = d.forward_ms(model), d.copy_ms(model), _k_fits(d, model)
+        out = (str(d.bench["config"]["layers"]), _f(t, 2), _f(t, 2), _f(copy, 2), _f(k, 1))
+        return out + ((WORDS[math.floor(k)],) if words else ())
+    return expected
+
+
+#: How close to the step without offloading the hardware page calls a step that hides its copies.
+HIDDEN_WITHIN = 0.02
+
+
+def _sweep_turns(d: Data) -> tuple[str, ...]:
+    """On A-torch and B: the engine's overhead stays within 2 % up to the solved k rounded down, and
+    exceeds it at the next k."""
+    fit = {math.floor(_k_fits(d, m)) for m in SWEPT}
+    if len(fit) != 1:
+        return (f"<the solved k differ: {fit}>",)
+    k = fit.pop()
+    over = {(m, j): d.run(m, "engine", j)["overhead"] for m in SWEPT for j in d.bench["config"]["ks"] if j <= k + 1}
+    holds = all((o <= HIDDEN_WITHIN) == (j <= k) for (_, j), o in over.items())
+    return _claim(holds, (_f(100 * HIDDEN_WITHIN), str(k), str(k + 1)), f"overheads: {over}")
+
+
+def _bound_line_on_torch_layers(d: Data) -> tuple[str, ...]:
+    """The copy bound's line on A-torch and B: the same k on both, the one after the solved k."""
+    lines = {d.model(m)["predicted"]["copies_stop_fitting_at_k"] for m in SWEPT}
+    solved = {math.floor(_k_fits(d, m)) + 1 for m in SWEPT}
+    return _claim(len(lines) == 1 and lines == solved, tuple(str(k) for k in sorted(lines))[:1],
+                  f"bound's lines {lines}, solved k + 1 {solved}")
+
+
+def _copies_past_forward(d: Data) -> tuple[str, ...]:
+    copies, forward = d.lane_ms("engine k=4", "device-to-host"), sum(d.model("A")["forward_ms"])
+    return _claim(copies > forward, (_f(copies), _f(forward)), f"copies {copies} ms, forward {forward} ms")
+
+
 def _bandwidth_in_most_rows(d: Data) -> tuple[str, ...]:
     shares = [round(100 * r[key]) for r in d.runs("engine") + d.runs("engine (fresh pinned)")
               for key in ("d2h_of_link", "h2d_of_link")]
@@ -311,6 +356,9 @@ def _planner_checks(d: Data) -> tuple[str, ...]:
 #: forward the GPU paces (model A itself has Transformer Engine's layers, whose forward the host paces).
 EXAMPLE = "A-torch"
 
+#: The models of PyTorch's layers the hardware page checks its solved ``k`` against.
+SWEPT = (EXAMPLE, "B")
+
 #: The bench's row of Transformer Engine's layers on their default path, without offloading.
 NO_OFFLOAD_DEFAULT_PATH = "no offload, TE's default path"
 
@@ -343,16 +391,10 @@ QUOTED = [
     # docs/benchmarks.md
     Quoted("docs/benchmarks.md", "where it exceeds that by {} %", _bench_copy_threshold,
            "the threshold bench.md states: copy bound > 1.01 x baseline"),
-    Quoted("docs/benchmarks.md", "about {} ms per further layer from `k` = 4 to 6",
-           lambda d: (_f(round((d.run("A", "engine", 6)["step_ms"] - d.run("A", "engine", 4)["step_ms"]) / 2, -1)),),
-           "bench.json: model A's engine step time at k = 6 minus k = 4, per layer, to 10 ms"),
     Quoted("docs/benchmarks.md", "take {} ms each way over PCIe", lambda d: (_f(d.copy_ms()),),
            "bench.json: one layer's saved bytes over the measured bandwidth"),
-    Quoted("docs/benchmarks.md", "keeps {} to {} % of the saving", _checkpoint_keeps,
+    Quoted("docs/benchmarks.md", "keeps each layer's input, {} to {} % of the saving", _checkpoint_keeps,
            "bench.json: 1 - saving / theory of every checkpoint row with k >= 2"),
-    Quoted("docs/benchmarks.md", "the four copies out take {} ms against {} ms of forward",
-           lambda d: (_f(d.lane_ms("engine k=4", "device-to-host")), _f(sum(d.model("A")["forward_ms"]))),
-           "bench.json: device-to-host lane of model A's k = 4 timeline; the forwards without offloading"),
     Quoted("docs/benchmarks.md", "The engine's saving is {} % of theory on PyTorch's layers",
            _engine_saves_all_on_torch_layers,
            "bench.json: saving / theory of every engine row on the models of PyTorch's layers"),
@@ -386,9 +428,9 @@ QUOTED = [
            "bench.json: model A-torch's layer 1 saved bytes over the device-to-host bandwidth"),
     Quoted("docs/hardware.md", "The forward of one layer takes about {} ms", lambda d: (_f(d.forward_ms(EXAMPLE), 1),),
            "bench.json: median of model A-torch's forward_ms"),
-    Quoted("docs/hardware.md", "the {} non-offloaded layers of `k = 3` give about {} ms of forward compute against {} ms",
-           lambda d: (str(d.bench["config"]["layers"] - 3),
-                      _f((d.bench["config"]["layers"] - 3) * d.forward_ms(EXAMPLE)), _f(3 * d.copy_ms(EXAMPLE))),
+    Quoted("docs/hardware.md", "at `k = 3` ({} ms against {} ms, the forward of the {} other layers)",
+           lambda d: (_f(3 * d.copy_ms(EXAMPLE)), _f((d.bench["config"]["layers"] - 3) * d.forward_ms(EXAMPLE)),
+                      str(d.bench["config"]["layers"] - 3)),
            "bench.json: layers, forward and copy times above"),
     Quoted("docs/hardware.md", "({} ms of copies against {} ms)",
            lambda d: (_f(2 * d.copy_ms(EXAMPLE)), _f((d.bench["config"]["layers"] - 2) * d.forward_ms(EXAMPLE))),
@@ -405,6 +447,18 @@ QUOTED = [
            "bench.json: medians of model A's forward_ms and backward_ms"),
     Quoted("docs/hardware.md", "its copies fit up to `k = {}` ({} ms of forward compute against {} ms of copies)",
            _te_fits_up_to, "bench.json: model A's forward and copy times; its bound's copies_stop_fitting_at_k"),
+    Quoted("docs/hardware.md", "and `k` ≤ {} × {} / ({} + {}) = {}: {} layers hide", _k_worked(EXAMPLE),
+           "bench.json: layers, model A-torch's median forward_ms and copy time, and k solved from them"),
+    Quoted("docs/hardware.md", "compute: `k` ≤ {} × {} / ({} + {}) = {}, and its step", _k_worked("B", words=False),
+           "bench.json: layers, model B's median forward_ms and copy time, and k solved from them"),
+    Quoted("docs/hardware.md", "The inequality gives `k` ≤ {}: its copies fit",
+           lambda d: (_f(_k_fits(d, "A"), 1),), "bench.json: k solved from model A's forward and copy times"),
+    Quoted("docs/hardware.md", "stays within {} % of the step without offloading up to `k = {}` and grows from `k = {}` on",
+           _sweep_turns, "bench.json: the engine's overheads of models A-torch and B against the k solved for each"),
+    Quoted("docs/hardware.md", "it puts the line at `k = {}` on both models", _bound_line_on_torch_layers,
+           "bench.json: copies_stop_fitting_at_k of models A-torch and B"),
+    Quoted("docs/hardware.md", "the four copies out took {} ms, more than the whole forward without offloading ({} ms",
+           _copies_past_forward, "bench.json: device-to-host lane of model A's k = 4 timeline; the forwards without offloading"),
     Quoted("docs/hardware.md", "the engine's steps on these layers stayed within {} % of the bound, not {} %",
            lambda d: _within_bound(d, te=True) + _within_bound(d, te=False),
            "bench.json: the largest step / bound of any engine row on TE layers, then on PyTorch's, rounded up"),

@@ -22,6 +22,10 @@
   writes a value of a stored result into the prose when the site is built (see
   :func:`stored_value`); a value that is not there fails the build, and the page is rebuilt when
   its data changes. ``tests/test_prose_numbers.py`` checks the numbers the prose writes itself.
+- **Tables from the stored data.** ``{bench-table} model-A`` writes a model's rows of a stored
+  benchmark (a key of ``stored_sources``) as the benchmark's own report does
+  (:func:`offload_examples.instruments.bench.tables.model_table`), in the columns and for the
+  strategies the page names.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from docutils import nodes
+from docutils.statemachine import StringList
 from sphinx.util import logging
+from sphinx.util.docutils import SphinxDirective
 from sphinx.util.math import get_node_equation_number
 
 logger = logging.getLogger(__name__)
@@ -424,6 +430,48 @@ def stored_role(name, rawtext, text, lineno, inliner, options=None, content=None
     return [nodes.inline(rawtext, value, classes=["stored"])], []
 
 
+def _items(option: str | None) -> list[str] | None:
+    """An option's list: items separated by semicolons (a strategy's name may hold a comma)."""
+    return None if option is None else [item.strip() for item in option.split(";") if item.strip()]
+
+
+class BenchTable(SphinxDirective):
+    """A model's rows of a stored benchmark, as a table.
+
+    The argument is a key of ``stored_sources`` naming one model's results
+    (``"model-A": "...bench.json#models[A]"``); ``:columns:`` and ``:strategies:`` (semicolons
+    between items) choose what the table shows; ``:failed: no`` leaves out the runs that failed or
+    were skipped.
+    """
+
+    required_arguments = 1
+    option_spec = {"columns": str, "strategies": str, "failed": str}
+
+    def run(self) -> list[nodes.Node]:
+        from offload_examples.instruments.bench.tables import COLUMNS, model_table
+
+        key = self.arguments[0]
+        sources = self.config.stored_sources
+        try:
+            if key not in sources:
+                raise StoredValueError(f"unknown source {key!r} (conf.py stored_sources: {', '.join(sources)})")
+            file, _, prefix = str(sources[key]).partition("#")
+            path = Path(self.env.srcdir) / file
+            model = lookup(load_stored(path), prefix) if prefix else load_stored(path)
+            columns = _items(self.options.get("columns")) or list(COLUMNS)
+            unknown = [c for c in columns if c not in COLUMNS]
+            if unknown:
+                raise StoredValueError(f"unknown columns {unknown} (known: {', '.join(COLUMNS)})")
+            text = model_table(model, columns, _items(self.options.get("strategies")),
+                               failed=self.options.get("failed", "yes") != "no")
+        except (StoredValueError, OSError, ValueError, KeyError, TypeError) as err:
+            raise self.error(f"bench-table {key}: {err}") from None
+        self.env.note_dependency(str(path))  # the page is read again when its data changes
+        container = nodes.container(classes=["bench-table"])
+        self.state.nested_parse(StringList(text.splitlines(), source=str(path)), self.content_offset, container)
+        return container.children
+
+
 # ------------------------------------------------------------------------------------ quiet build
 class QuietMyst(logging_std.Filter):
     """Drops myst-parser's ``myst vX: MdParserConfig(...)`` line, which it logs on every build."""
@@ -468,4 +516,5 @@ def setup(app):
     app.connect("build-finished", write_root_index)
     app.add_config_value("stored_sources", {}, "env", types=(dict,))
     app.add_role("stored", stored_role)
+    app.add_directive("bench-table", BenchTable)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

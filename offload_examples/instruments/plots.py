@@ -11,8 +11,8 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 __all__ = [
-    "plot_bench_memory_time", "plot_bench_overhead", "plot_fraction_tradeoff", "plot_memory_by_phase",
-    "plot_memory_curves", "plot_overlap", "plot_schedule", "plot_stream_timeline", "plot_sweep", "plot_timeline",
+    "plot_bench_memory_time", "plot_bench_overhead", "plot_bench_saving", "plot_fraction_tradeoff",
+    "plot_memory_by_phase", "plot_memory_curves", "plot_overlap", "plot_schedule", "plot_stream_timeline", "plot_sweep", "plot_timeline",
     "plot_variants",
 ]
 
@@ -174,14 +174,16 @@ def plot_memory_curves(curves: Mapping[str, object], ax: Axes | None = None, tit
     """GPU memory over one step, one curve per run (:func:`offload_examples.instruments.memory_history.record_memory_curve`).
 
     Each curve is shaded down to zero, so where two runs are drawn the band between them is
-    the memory one saves over the other, moment by moment; the peaks are marked.
+    the memory one saves over the other, moment by moment; the peaks are marked. The time is the
+    host's, when the allocator saw each event, which runs ahead of the GPU's.
     """
     ax = _axes(ax, (9, 3.5))
     colors = ["#3182bd", "#e6550d", "#31a354", "#756bb1"]
     for c, (label, curve) in enumerate(curves.items()):
         color = colors[c % len(colors)]
         gib = [b / GiB for b in curve.allocated]
-        ax.step(curve.ms, gib, where="post", color=color, lw=1.2, label=f"{label} (peak {curve.peak / GiB:.2f} GiB)")
+        ax.step(curve.ms, gib, where="post", color=color, lw=1.2,
+                label=f"{label} (peak {curve.peak / GiB:.2f} GiB, weights and input included)")
         ax.fill_between(curve.ms, gib, step="post", color=color, alpha=0.15)
     ax.set_xlabel("ms into the step (host time of allocator events)")
     ax.set_ylabel("GiB allocated")
@@ -242,19 +244,48 @@ def plot_fraction_tradeoff(report: Mapping[str, Any], ax: Axes | None = None) ->
     return ax
 
 
+#: Colour, marker and legend label of each strategy of the benchmark.
 _STRATEGY_STYLE = {
-    "no offload": ("#252525", "*"), "engine": ("#08519c", "o"), "engine (fresh pinned)": ("#6baed6", "o"),
-    "save_on_cpu": ("#e6550d", "s"), "torchtune": ("#756bb1", "D"), "transformer_engine": ("#31a354", "^"),
-    "checkpoint": ("#969696", "v"),
+    "no offload": ("#252525", "*", "no offload"), "engine": ("#08519c", "o", "engine"),
+    "engine (fresh pinned)": ("#6baed6", "o", "engine, fresh pinned"), "save_on_cpu": ("#e6550d", "s", "save_on_cpu"),
+    "torchtune": ("#756bb1", "D", "torchtune"), "transformer_engine": ("#31a354", "^", "TE's offload"),
+    "checkpoint": ("#969696", "v", "recompute"),
 }
+#: Width of a figure with one or two panels: the text column of the docs (736 px at their 110 dpi),
+#: so that a figure is shown at the size it is drawn and its 9 pt text stays 9 pt.
+COLUMN_INCHES = 6.7
+#: Font size of every text of the benchmark's figures.
+BENCH_FONT = 9
 
 
-def _model_panels(results: Mapping[str, Any], width: float = 4.6) -> tuple[Figure, list[Axes]]:
+def _model_panels(results: Mapping[str, Any], models: Sequence[str] | None = None,
+                  height: float = 3.2) -> tuple[Figure, list[Axes], list[Mapping[str, Any]]]:
+    """A figure with one panel per model (``models``: those, in that order; all by default)."""
     import matplotlib.pyplot as plt
 
-    models = results["models"]
-    fig, axes = plt.subplots(1, len(models), figsize=(width * len(models), 3.8), layout="constrained", squeeze=False)
-    return fig, list(axes[0])
+    by_name = {m["model"]: m for m in results["models"]}
+    chosen = [by_name[name] for name in models] if models is not None else list(results["models"])
+    width = COLUMN_INCHES if len(chosen) <= 2 else COLUMN_INCHES / 2 * len(chosen)
+    fig, axes = plt.subplots(1, len(chosen), figsize=(width, height), layout="constrained", squeeze=False)
+    for ax, model in zip(axes[0], chosen):
+        ax.set_title(f"model {model['model']}: " + ("Transformer Engine's layers" if model.get("layer_kind", "")
+                                                     .startswith("te.") else "PyTorch's layers"), fontsize=BENCH_FONT)
+        ax.tick_params(labelsize=BENCH_FONT)
+        ax.grid(alpha=0.3)
+    return fig, list(axes[0]), chosen
+
+
+def _figure_legend(fig: Figure, axes: Sequence[Axes]) -> None:
+    """One legend below the panels with every line any panel draws, each label once."""
+    seen: dict[str, Any] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(label, handle)
+    if seen:  # as many columns as fit the figure's width, an entry about 0.55 em a character and 4 em of line
+        entry = max((0.55 * len(label) + 4) * BENCH_FONT / 72 for label in seen)
+        ncols = max(1, min(len(seen), int(fig.get_figwidth() // entry)))
+        fig.legend(list(seen.values()), list(seen), loc="outside lower center", ncols=ncols,
+                   fontsize=BENCH_FONT, frameon=False)
 
 
 def _ok_runs(model: Mapping[str, Any], strategy: str) -> list[Mapping[str, Any]]:
@@ -262,68 +293,98 @@ def _ok_runs(model: Mapping[str, Any], strategy: str) -> list[Mapping[str, Any]]
                   key=lambda r: r["k"])
 
 
-def plot_bench_memory_time(results: Mapping[str, Any]) -> Figure:
-    """Peak memory against step time, one panel per model, one line per strategy through its ``k`` values.
+def _strategies(strategies: Sequence[str] | None) -> list[str]:
+    return list(_STRATEGY_STYLE) if strategies is None else list(strategies)
 
-    Down is less memory, left is faster: the baseline is the star; a strategy is better where
-    its points sit further down for the same step time.
+
+def _no_memory(ax: Axes) -> None:
+    ax.text(0.5, 0.5, "no memory measured\n(it is measured on CUDA only)", ha="center", va="center",
+            transform=ax.transAxes, fontsize=BENCH_FONT)
+
+
+def plot_bench_saving(results: Mapping[str, Any], models: Sequence[str] | None = None,
+                      strategies: Sequence[str] | None = None) -> Figure:
+    """The share of the predicted saving each strategy freed, against the number of treated layers.
+
+    One panel per model, one line per strategy. The saving is the row's activation peak below the
+    run without offloading's; the prediction is what the engine's schedule frees for the same ``k``
+    from the bytes each layer saves (``saving / theory`` in the tables), the same for every strategy.
     """
-    fig, axes = _model_panels(results)
-    for ax, model in zip(axes, results["models"]):
-        for strategy, (color, marker) in _STRATEGY_STYLE.items():
-            runs = [r for r in _ok_runs(model, strategy) if r["peak_bytes"] is not None]
-            if not runs:
-                continue
-            xs, ys = [r["step_ms"] for r in runs], [r["peak_bytes"] / GiB for r in runs]
-            ax.plot(xs, ys, marker=marker, color=color, ms=9 if marker == "*" else 5, label=strategy)
-            for r, x, y in zip(runs, xs, ys):
-                if r["k"]:
-                    ax.annotate(str(r["k"]), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6, color=color)
+    fig, axes, chosen = _model_panels(results, models)
+    for ax, model in zip(axes, chosen):
+        for strategy in _strategies(strategies):
+            color, marker, label = _STRATEGY_STYLE[strategy]
+            runs = [r for r in _ok_runs(model, strategy) if r["k"] and r.get("saving_ratio") is not None]
+            if runs:
+                ax.plot([r["k"] for r in runs], [100 * r["saving_ratio"] for r in runs], marker=marker, color=color,
+                        ms=5, label=label)
         if not ax.lines:
-            ax.text(0.5, 0.5, "no peak memory\n(it is measured on CUDA only)", ha="center", va="center",
-                    transform=ax.transAxes)
-        ax.set_title(f"model {model['model']}")
-        ax.set_xlabel("step time (ms, median)")
-        ax.set_ylabel("peak GiB allocated")
-        ax.grid(alpha=0.3)
-    if axes[0].lines:
-        axes[0].legend(fontsize=7)
-    fig.suptitle("Memory vs time (numbers: layers treated)")
+            _no_memory(ax)
+        ax.set_xlabel("layers treated (k)", fontsize=BENCH_FONT)
+        ax.set_ylabel("freed, % of the prediction", fontsize=BENCH_FONT)
+    _figure_legend(fig, axes)
     return fig
 
 
-def plot_bench_overhead(results: Mapping[str, Any]) -> Figure:
+def plot_bench_memory_time(results: Mapping[str, Any], models: Sequence[str] | None = None,
+                           strategies: Sequence[str] | None = None) -> Figure:
+    """Memory freed against step time added, one panel per model, one line per strategy through its ``k``.
+
+    Both are measured against the run without offloading: the saving from the activation peaks, the
+    overhead from steps alternating with no-offload steps (the median of their ratios), so that the
+    drift of the GPU and the host falls on both alike. Up is more memory freed, left is less time
+    added; the numbers are the layers treated.
+    """
+    fig, axes, chosen = _model_panels(results, models)
+    for ax, model in zip(axes, chosen):
+        for i, strategy in enumerate(_strategies(strategies)):
+            color, marker, label = _STRATEGY_STYLE[strategy]
+            runs = [r for r in _ok_runs(model, strategy) if r["k"] and r["saving_bytes"] is not None]
+            if not runs:
+                continue
+            xs, ys = [100 * r["overhead"] for r in runs], [r["saving_bytes"] / GiB for r in runs]
+            ax.plot(xs, ys, marker=marker, color=color, ms=5, label=label)
+            for r, x, y in zip(runs, xs, ys):  # the first strategy's numbers below right, the others' above left
+                ax.annotate(str(r["k"]), (x, y), textcoords="offset points", xytext=(4, -11) if i == 0 else (-10, 3),
+                            fontsize=BENCH_FONT, color=color)
+        if not ax.lines:
+            _no_memory(ax)
+        ax.set_xlabel("step time added (%)", fontsize=BENCH_FONT)
+        ax.set_ylabel("GiB freed", fontsize=BENCH_FONT)
+        ax.set_ylim(bottom=0)
+    _figure_legend(fig, axes)
+    return fig
+
+
+def plot_bench_overhead(results: Mapping[str, Any], models: Sequence[str] | None = None,
+                        strategies: Sequence[str] | None = None, bound: bool = True) -> Figure:
     """Step-time overhead against the number of treated layers, one panel per model.
 
-    The dashed line is the copy bound of the engine's schedule (what the measured bandwidth
-    allows); the dotted vertical line marks where the copies stop fitting behind compute.
+    With ``bound``, the dashed line is the copy bound of the engine's schedule (the fastest step the
+    measured bandwidth allows) and the dotted vertical line marks where the copies stop fitting
+    behind compute.
     """
-    fig, axes = _model_panels(results)
-    for ax, model in zip(axes, results["models"]):
+    fig, axes, chosen = _model_panels(results, models)
+    strategies = _strategies(strategies)
+    for ax, model in zip(axes, chosen):
         base = next((r["step_ms"] for r in model["runs"] if r["strategy"] == "no offload"), None)
-        for strategy, (color, marker) in _STRATEGY_STYLE.items():
+        for strategy in strategies:
+            color, marker, label = _STRATEGY_STYLE[strategy]
             runs = _ok_runs(model, strategy)
-            if strategy == "no offload" or not runs:
-                continue
-            ax.plot([r["k"] for r in runs], [100 * r["overhead"] for r in runs], marker=marker, color=color,
-                    label=strategy)
+            if strategy != "no offload" and runs:
+                ax.plot([r["k"] for r in runs], [100 * r["overhead"] for r in runs], marker=marker, color=color,
+                        ms=5, label=label)
         pred = model.get("predicted")
-        if pred and base:
-            ks = sorted(int(k) for k in pred["bound_ms"])
-            top = max([r["k"] for r in model["runs"] if r["k"]], default=ks[-1])
-            ks = [k for k in ks if k <= top]
-            ax.plot(ks, [100 * (pred["bound_ms"][k if k in pred["bound_ms"] else str(k)] / base - 1) for k in ks],
-                    "k--", lw=1, label="copy bound (engine's schedule)")
+        if pred and base and bound:
+            top = max([r["k"] for r in model["runs"] if r["k"]], default=0)
+            ks = [k for k in sorted(int(k) for k in pred["bound_ms"]) if k <= top]
+            ax.plot(ks, [100 * (pred["bound_ms"][str(k) if str(k) in pred["bound_ms"] else k] / base - 1) for k in ks],
+                    "k--", lw=1, label="copy bound")
             if pred.get("copies_stop_fitting_at_k"):
-                ax.axvline(pred["copies_stop_fitting_at_k"], color="k", ls=":", lw=1)
-                ax.annotate("copies stop fitting", (pred["copies_stop_fitting_at_k"], ax.get_ylim()[1]),
-                            xytext=(3, -12), textcoords="offset points", fontsize=7)
-        ax.set_title(f"model {model['model']}")
-        ax.set_xlabel("layers treated (k)")
-        ax.set_ylabel("step-time overhead (%)")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.suptitle("Overhead vs layers treated")
+                ax.axvline(pred["copies_stop_fitting_at_k"], color="k", ls=":", lw=1, label="copies stop fitting")
+        ax.set_xlabel("layers treated (k)", fontsize=BENCH_FONT)
+        ax.set_ylabel("step time added (%)", fontsize=BENCH_FONT)
+    _figure_legend(fig, axes)
     return fig
 
 
@@ -376,11 +437,11 @@ def plot_bench_pareto(results: Mapping[str, Any]) -> Figure:
     predictions (the predicted step at the no-offload steps it ran beside), each joined to its
     measurement by a thin line. Down is less memory, left is faster.
     """
-    fig, axes = _model_panels(results, width=5.0)
+    fig, axes, chosen = _model_panels(results)
     styles = {"engine": ("offload only (engine, k layers)", "#08519c", "o"),
               "checkpoint": ("recompute only (checkpoint, k layers)", "#969696", "v"),
               "planner": ("planner (a budget per k)", "#e6550d", "D")}
-    for ax, model in zip(axes, results["models"]):
+    for ax, model in zip(axes, chosen):
         runs = [r for r in model["runs"] if r["status"] == "ok" and r.get("peak_bytes") is not None]
         for r in runs:
             if r["strategy"] == "no offload":
@@ -397,13 +458,9 @@ def plot_bench_pareto(results: Mapping[str, Any]) -> Figure:
             ax.plot([r["predicted_step_ms_paired"] for r in planner], [r["predicted_peak_bytes"] / GiB for r in planner],
                     "o", mfc="none", color="#e6550d", ms=7, label="planner, predicted")
         if not ax.lines:
-            ax.text(0.5, 0.5, "no peak memory\n(it is measured on CUDA only)", ha="center", va="center",
-                    transform=ax.transAxes)
-        ax.set_title(f"model {model['model']}")
-        ax.set_xlabel("step time (ms, median)")
-        ax.set_ylabel("peak GiB allocated")
-        ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize=7)
-    fig.suptitle("Memory vs time: offload only, recompute only and the planner")
+            _no_memory(ax)
+        ax.set_xlabel("step time (ms, median)", fontsize=BENCH_FONT)
+        ax.set_ylabel("peak GiB allocated", fontsize=BENCH_FONT)
+    _figure_legend(fig, axes)
+    fig.suptitle("Memory vs time: offload only, recompute only and the planner", fontsize=BENCH_FONT + 1)
     return fig

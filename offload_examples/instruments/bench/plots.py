@@ -41,12 +41,14 @@ def _write_plots(results: dict[str, Any], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     from offload_examples.instruments.plots import (
-        plot_bench_memory_time, plot_bench_overhead, plot_bench_pareto, plot_memory_curves, plot_timeline,
+        plot_bench_memory_time, plot_bench_overhead, plot_bench_pareto, plot_bench_saving, plot_memory_curves,
+        plot_timeline,
     )
 
     paths = []
     figures: dict[str, Any] = {"memory_vs_time.png": plot_bench_memory_time(results),
-                               "overhead_vs_k.png": plot_bench_overhead(results)}
+                               "overhead_vs_k.png": plot_bench_overhead(results),
+                               "saving_vs_k.png": plot_bench_saving(results)}
     if any(r["strategy"] == "planner" for m in results["models"] for r in m["runs"]):
         figures["planner_pareto.png"] = plot_bench_pareto(results)
     first = results["models"][0]

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from offload_examples.instruments.bench.planner_bench import PLANNER_PREDICTION_ERROR, PLANNER_TIME_NOISE
 from offload_examples.instruments.bench.strategies import TE_CONTEXT_ONLY, TE_DEFAULT_PATH
 from offload_examples.instruments.report import CPU_TIMING_NOTE, format_bytes, format_markdown_table
 
-__all__ = ["GiB", "check_targets", "markdown"]
+__all__ = ["COLUMNS", "GiB", "check_targets", "markdown", "model_table"]
 
 
 GiB = 2**30
@@ -99,6 +99,50 @@ def _grads_cell(r: dict[str, Any]) -> str:
     return "bitwise equal" if g["equal"] else f"{g['mismatched']} of {g['compared']} differ (max {g['max_abs_diff']:.3g})"
 
 
+def _bandwidth(r: dict[str, Any], key: str) -> str:
+    return "" if r.get(f"{key}_gb_per_s") is None else f"{r[f'{key}_gb_per_s']:.1f} ({r[f'{key}_of_link']:.0%})"
+
+
+def _ms(x: float | None, decimals: int = 1) -> str:
+    return "" if x is None else f"{x:.{decimals}f}"
+
+
+#: The columns of a model's table, each a header and what a run shows there. ``baseline ms`` is the
+#: median of the no-offload steps the row's steps alternated with, which its overhead is measured
+#: against (the median of the pairs' ratios, so not quite step ms / baseline ms - 1).
+COLUMNS: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "k": lambda r: r["k"] or "-",
+    "strategy": lambda r: r["strategy"] + (f" ({r['budget_from']}'s budget)" if r.get("budget_from") else ""),
+    "peak GiB": lambda r: _gib(r["peak_bytes"]),
+    "saving GiB": lambda r: _gib(r["saving_bytes"]),
+    "saving / theory": lambda r: _pct(r["saving_ratio"]),
+    "baseline ms": lambda r: _ms(r.get("reference_ms")) or "-",
+    "step ms": lambda r: _ms(r["step_ms"]),
+    "overhead": lambda r: _pct(r["overhead"], True),
+    "copy bound ms": lambda r: _ms(r.get("bound_ms")),
+    "step / bound": lambda r: _ms(r.get("step_over_bound"), 3),
+    "d2h GB/s (of link)": lambda r: _bandwidth(r, "d2h"),
+    "h2d GB/s (of link)": lambda r: _bandwidth(r, "h2d"),
+    "output and gradients": _grads_cell,
+}
+
+
+def model_table(model: dict[str, Any], columns: Sequence[str] = tuple(COLUMNS),
+                strategies: Sequence[str] | None = None, failed: bool = True) -> str:
+    """One model's runs as a Markdown table: ``columns`` of :data:`COLUMNS`, the runs of ``strategies``
+    (all by default), and with ``failed`` the runs that failed or were skipped, with why."""
+    rows = []
+    for r in model["runs"]:
+        if strategies is not None and r["strategy"] not in strategies:
+            continue
+        if r["status"] == "ok":
+            rows.append([COLUMNS[c](r) for c in columns])
+        elif failed:
+            rows.append([COLUMNS[c](r) for c in columns[:2]] + [r["status"] + ": " + r["reason"]]
+                        + [""] * (len(columns) - 3))
+    return format_markdown_table(rows, columns)
+
+
 def markdown(results: dict[str, Any]) -> str:
     """The results as Markdown: the link, one table per model, the targets."""
     link = results["link_gb_per_s"]
@@ -108,23 +152,8 @@ def markdown(results: dict[str, Any]) -> str:
     if link:
         parts.append(f"Pinned copy bandwidth measured in this run: host-to-device {link['h2d']:.1f} GB/s, "
                      f"device-to-host {link['d2h']:.1f} GB/s, both at once {link['both']:.1f} GB/s in total.")
-    header = ["k", "strategy", "peak GiB", "saving GiB", "saving / theory", "step ms", "overhead",
-              "copy bound ms", "step / bound", "d2h GB/s (of link)", "h2d GB/s (of link)", "output and gradients"]
     for m in results["models"]:
         spec = m["spec"]
-        rows = []
-        for r in m["runs"]:
-            strategy = r["strategy"] + (f" ({r['budget_from']}'s budget)" if r.get("budget_from") else "")
-            if r["status"] != "ok":
-                rows.append([r["k"] or "-", strategy, r["status"] + ": " + r["reason"]] + [""] * 9)
-                continue
-            bw = {key: "" if r.get(f"{key}_gb_per_s") is None else
-                  f"{r[f'{key}_gb_per_s']:.1f} ({r[f'{key}_of_link']:.0%})" for key in ("d2h", "h2d")}
-            rows.append([r["k"] or "-", strategy, _gib(r["peak_bytes"]), _gib(r["saving_bytes"]),
-                         _pct(r["saving_ratio"]), f"{r['step_ms']:.1f}", _pct(r["overhead"], True),
-                         "" if r.get("bound_ms") is None else f"{r['bound_ms']:.1f}",
-                         "" if r.get("step_over_bound") is None else f"{r['step_over_bound']:.3f}",
-                         bw["d2h"], bw["h2d"], _grads_cell(r)])
         pred = m.get("predicted") or {}
         stop = pred.get("copies_stop_fitting_at_k")
         kind = m.get("layer_kind", "transformer layer")
@@ -137,7 +166,7 @@ def markdown(results: dict[str, Any]) -> str:
                      f"Saved for backward per layer: {saved}."
                      + (f" The copies stop fitting behind compute at k = {stop} (copy bound > 1.01 x baseline)."
                         if stop else ""))
-        parts.append(format_markdown_table(rows, header))
+        parts.append(model_table(m))
         parts += _te_path_note(m["runs"])
         parts += _head_to_head_note(m.get("head_to_head", ()))
     if results.get("targets"):
