@@ -5,7 +5,8 @@ from offload_examples import get_cpu_offload_context
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 layers = [torch.nn.TransformerEncoderLayer(256, 4, 1024, batch_first=True, device=device) for _ in range(6)]
-x = torch.randn(8, 128, 256, device=device, requires_grad=True)
+x = torch.randn(8, 128, 256, device=device)
+optimizer = torch.optim.SGD([p for layer in layers for p in layer.parameters()], lr=1e-3)
 
 ctx, sync = get_cpu_offload_context(enabled=True, num_layers=2, model_layers=len(layers))
 for step in range(3):
@@ -15,6 +16,8 @@ for step in range(3):
             h = layer(h)
         h = sync(h)  # the backward of this layer will start the reloads scheduled for it
     h.square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 print(f"copied {ctx.offloaded_bytes / 2**20:.1f} MiB to host memory per step")
 print(f"theoretical peak-memory saving: {ctx.theoretical().saving / 2**20:.1f} MiB")
