@@ -25,25 +25,34 @@ back. A ``with`` block closes the layer whatever happens in it, ``KeyboardInterr
 ``modules`` narrows what is offloaded inside each chosen layer to the tensors its named submodules
 save (see :meth:`~offload_examples.OffloadEngine.offload_modules`), and
 ``max_offload_bytes_per_layer`` caps the bytes one layer offloads.
+
+The same wrapper also recomputes: a handle may checkpoint some of its layers, whole or one named
+submodule of them (:func:`checkpointed_call`, :func:`checkpointed_module`), inside the context. The
+planner applies its plans to a model that way
+(:func:`~offload_examples.features.planner.apply_plan_to_model`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Iterator, Sequence, Union
 
 import torch
 from torch import nn
 
 from offload_examples.core.api import get_cpu_offload_context
 from offload_examples.core.engine import OffloadEngine
+from offload_examples.core.policy import outer_hooks
+from offload_examples.core.te_path import recompute_on_same_path
 
-__all__ = ["OffloadedLayers", "find_layers", "offload_layers"]
+__all__ = ["OffloadedLayers", "checkpointed_call", "checkpointed_module", "find_layers", "offload_layers"]
 
-#: How layers are chosen: a module type, a class name, or a test on ``(qualified name, module)``.
-LayerChoice = Union[type, str, Callable[[str, nn.Module], bool]]
+#: How layers are chosen: a module type, a class name, a tuple of these (an encoder's layers and a
+#: decoder's), or a test on ``(qualified name, module)``.
+LayerChoice = Union[type, str, tuple, Callable[[str, nn.Module], bool]]
 
 
 def _matches(choice: LayerChoice) -> Callable[[str, nn.Module], bool]:
@@ -51,16 +60,21 @@ def _matches(choice: LayerChoice) -> Callable[[str, nn.Module], bool]:
         return lambda name, m: isinstance(m, choice)
     if isinstance(choice, str):
         return lambda name, m: type(m).__name__ == choice
+    if isinstance(choice, tuple) and choice and all(isinstance(c, (type, str)) for c in choice):
+        tests = [_matches(c) for c in choice]
+        return lambda name, m: any(test(name, m) for test in tests)
     if callable(choice):
         return choice
-    raise TypeError(f"layers must be a module type, a class name or a function (name, module) -> bool, got {choice!r}")
+    raise TypeError("layers must be a module type, a class name, a non-empty tuple of these or a function "
+                    f"(name, module) -> bool, got {choice!r}")
 
 
 def find_layers(model: nn.Module, layers: LayerChoice) -> list[tuple[str, nn.Module]]:
     """The outermost submodules of ``model`` that ``layers`` chooses, in registration order.
 
     The model itself is never one of them (its layers are inside it), and a chosen module's own
-    submodules are not searched (a layer is never nested in another). A layer compiled on its own
+    submodules are not searched (a layer is never nested in another). A tuple chooses a module that
+    any of its entries chooses. A layer compiled on its own
     (``torch.compile(layer)``) is chosen through its compiled wrapper, which is what the model calls.
     The order is the order the model registered them, which is the order a sequential model runs them.
     """
@@ -89,12 +103,84 @@ def _first_tensor(output: Any) -> tuple[torch.Tensor, Callable[[torch.Tensor], A
                     "or list whose first element is the hidden state")
 
 
+def checkpointed_call(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``function(*args, **kwargs)`` under non-reentrant checkpointing, each tensor passed once.
+
+    Every positional tensor goes to the checkpoint as one of its inputs, and so does every keyword
+    tensor that requires grad (a hidden state passed by name, as transformers passes it to an
+    attention module): the checkpoint saves its inputs where a context around it sees them, so the
+    engine counts them as what the layer holds. Keyword tensors that do not require grad (an
+    attention mask, position ids: the same tensors for every layer, held by the model anyway) reach
+    ``function`` as they are, as in transformers' own checkpointing; all keyword arguments reach it
+    by name. The recomputation gets each tensor the checkpoint kept as a new object: a module that tests its
+    arguments for identity would then compute something else than the first time
+    (``nn.MultiheadAttention`` projects ``query is key is value`` in one matmul, else in three), and
+    checkpointing refuses what it recomputes. So a tensor given in several places goes in once. The
+    recomputation takes the path Transformer Engine's layers took the first time
+    (:func:`~offload_examples.core.te_path.recompute_on_same_path`).
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    named = [v for v in kwargs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
+    unique = list({id(a): a for a in (*args, *named) if isinstance(a, torch.Tensor)}.values())  # each once
+    where = {id(t): j for j, t in enumerate(unique)}
+
+    def spec(a: Any) -> tuple[int | None, Any]:  # (input index, None) for an input, (None, value) otherwise
+        return (where[id(a)], None) if isinstance(a, torch.Tensor) and id(a) in where else (None, a)
+
+    arg_spec, kw_spec = [spec(a) for a in args], {k: spec(v) for k, v in kwargs.items()}
+
+    def run(*tensors: torch.Tensor) -> Any:
+        def get(s: tuple[int | None, Any]) -> Any:
+            return s[1] if s[0] is None else tensors[s[0]]
+        return function(*map(get, arg_spec), **{k: get(s) for k, s in kw_spec.items()})
+
+    # the layer's keyword arguments never reach checkpoint() itself: one named like its own
+    # (``debug``, ``context_fn``) would change the checkpoint instead
+    return checkpoint(run, *unique, use_reentrant=False, context_fn=recompute_on_same_path)
+
+
+@contextlib.contextmanager
+def checkpointed_module(layer: nn.Module, module: str) -> Iterator[None]:
+    """While inside, the forward of ``layer.get_submodule(module)`` runs under :func:`checkpointed_call`.
+
+    The submodule itself is not changed: its ``forward`` is replaced on the instance only for the
+    block, so its parameters, hooks and ``state_dict`` keys stay as they are, and the recomputation
+    calls the original ``forward`` (its hooks ran once, around the first call).
+
+    Called inside a region that another checkpoint already recomputes (the layer's own, as
+    transformers' ``gradient_checkpointing_enable()`` puts around it), the submodule runs as it is:
+    that checkpoint keeps only its own inputs, so a second one frees nothing, and its recomputation
+    in the backward, which runs after this block, calls the submodule unchanged and must find the
+    tensors the first run saved.
+    """
+    sub = layer.get_submodule(module)
+    own = sub.__dict__.get("forward")  # a forward someone set on the instance: put back afterwards
+    original = sub.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if outer_hooks() == "checkpoint":
+            return original(*args, **kwargs)
+        return checkpointed_call(original, *args, **kwargs)
+
+    sub.forward = forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del sub.forward
+        else:
+            sub.forward = own
+
+
 @dataclass
 class OffloadedLayers:
     """What :func:`offload_layers` did: the context it built, the layers it chose, and how to undo it.
 
     It holds the layers weakly: a model dropped without :meth:`remove` takes its layers, this handle
-    (unless kept) and the engine's pinned buffers with it.
+    (unless kept) and the engine's pinned buffers with it. ``names`` are the layers' qualified names,
+    in the order of the engine's layers where that order is fixed (a plan's: the order the model
+    calls them).
     """
 
     ctx: OffloadEngine
@@ -103,6 +189,10 @@ class OffloadedLayers:
     _layers: list[tuple[weakref.ref, type]] = field(default_factory=list, repr=False)
     _ran: dict[int, int] = field(default_factory=dict, repr=False)  # id(layer) -> the iteration it last entered
     _first: int | None = field(default=None, repr=False)  # id of the layer that began the current step
+    # id(layer) -> what it recomputes: the whole layer (None) or a submodule's name; absent: nothing
+    _recompute: dict[int, str | None] = field(default_factory=dict, repr=False)
+    # id of the layer expected at each entry of a step; empty: any order (offload_layers counts entries)
+    _order: list[int] = field(default_factory=list, repr=False)
 
     def remove(self) -> None:
         """Take the context off every layer (their classes back, the submodules' hooks off); the model
@@ -114,7 +204,7 @@ class OffloadedLayers:
             _CHOSEN.pop(layer, None)
             if type(layer) is _WRAPPERS.get(original):  # a class swapped again on top of ours stays: it passes through
                 layer.__class__ = original
-        self._layers = []
+        self._layers, self._recompute, self._order = [], {}, []
         self.ctx.offload_all_modules()
 
     def _call(self, layer: nn.Module, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -126,11 +216,35 @@ class OffloadedLayers:
             entry = ctx.open_entry  # None: a pass-through (no_grad, or a recomputation in backward)
             if entry is not None and not ctx.schedule.interleaved:  # (with micro-batches a layer runs several times)
                 self._check_once_per_step(layer, *entry)
-            output = call(*args, **kwargs)
             if entry is None:
-                return output
+                return call(*args, **kwargs)
+            self._check_order(layer, entry[1])
+            output = self._run(layer, call, args, kwargs)
             hidden, rebuild = _first_tensor(output)  # an output it cannot sync abandons the step, as any failure
         return rebuild(self.sync(hidden))
+
+    def _run(self, layer: nn.Module, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """The layer's call, checkpointed where this handle recomputes it: inside the context, so the
+        engine counts what the checkpoint keeps as the layer's (as with transformers' checkpointing)."""
+        if id(layer) not in self._recompute:
+            return call(*args, **kwargs)
+        module = self._recompute[id(layer)]
+        if module is None:
+            return checkpointed_call(call, *args, **kwargs)  # the recomputation calls the layer's hooks again too
+        with checkpointed_module(layer, module):
+            return call(*args, **kwargs)
+
+    def _check_order(self, layer: nn.Module, entry: int) -> None:
+        """A plan is per layer in the order the model calls them; the engine numbers entries in that
+        order, so a layer arriving elsewhere would take another layer's choice."""
+        if self._order and (entry >= len(self._order) or self._order[entry] != id(layer)):
+            name = self._name(layer)
+            expected = repr(self.names[entry]) if entry < len(self.names) else "no layer"
+            raise RuntimeError(f"layer {name!r} ran as layer {entry} of the step, where the plan has {expected}: "
+                               "give the layers in the order the model calls them (measure_model_costs finds it)")
+
+    def _name(self, layer: nn.Module) -> str:
+        return next(n for n, (ref, _) in zip(self.names, self._layers) if ref() is layer)
 
     def _check_once_per_step(self, layer: nn.Module, iteration: int, entry: int) -> None:
         """The schedule counts entries: a layer called twice in one step would shift every later one.
@@ -141,7 +255,7 @@ class OffloadedLayers:
         """
         first = entry == 0 and (not self.ctx.continued_without_backward or self._first == id(layer))
         if self._ran.get(id(layer)) == iteration or (entry == 0 and not first):
-            name = next(n for n, (ref, _) in zip(self.names, self._layers) if ref() is layer)
+            name = self._name(layer)
             raise RuntimeError(f"layer {name!r} ran twice in one forward of the model; offload_layers needs each "
                                "chosen layer called once per step (put the context around the calls by hand otherwise)")
         self._ran[id(layer)] = iteration
@@ -219,13 +333,8 @@ def offload_layers(model: nn.Module, layers: LayerChoice, num_layers: int, *,
         No layer matches, a layer is offloaded by another :func:`offload_layers` already, or a name in
         ``modules`` is missing from a layer.
     """
-    found = find_layers(model, layers)
-    if not found:
-        raise ValueError(f"no submodule of {type(model).__name__} matches layers={layers!r}")
-    for name, layer in found:
-        if any(m in _CHOSEN for m in layer.modules()) or any(layer in set(m.modules()) for m in list(_CHOSEN)):
-            raise ValueError(f"layer {name!r} (or a module in it, or around it) is offloaded by another offload_layers "
-                             "already: call its remove() first (contexts cannot be nested)")
+    found = _chosen_layers(model, layers)
+    _check_free(found)
     chosen = []
     if modules is not None:
         for name, layer in found:
@@ -235,14 +344,46 @@ def offload_layers(model: nn.Module, layers: LayerChoice, num_layers: int, *,
                 except AttributeError:
                     raise ValueError(f"layer {name!r} ({type(layer).__name__}) has no submodule {sub!r}") from None
     ctx, sync = get_cpu_offload_context(enabled=True, num_layers=num_layers, model_layers=len(found), **context_options)
-    handle = OffloadedLayers(ctx, sync, [name for name, _ in found])
     if chosen:
         ctx.offload_modules(chosen)
-    for _, layer in found:
+    return _attach(OffloadedLayers(ctx, sync, [name for name, _ in found]), found)
+
+
+def _chosen_layers(model: nn.Module, layers: LayerChoice) -> list[tuple[str, nn.Module]]:
+    """:func:`find_layers`, or ``ValueError`` when nothing matches."""
+    found = find_layers(model, layers)
+    if not found:
+        raise ValueError(f"no submodule of {type(model).__name__} matches layers={layers!r}")
+    return found
+
+
+def _check_free(found: Sequence[tuple[str, nn.Module]]) -> None:
+    """``ValueError`` when a layer, a module in it or one around it is another handle's already."""
+    for name, layer in found:
+        if any(m in _CHOSEN for m in layer.modules()) or any(layer in set(m.modules()) for m in list(_CHOSEN)):
+            raise ValueError(f"layer {name!r} (or a module in it, or around it) is offloaded by another offload_layers "
+                             "already: call its remove() first (contexts cannot be nested)")
+
+
+def _attach(handle: OffloadedLayers, found: Sequence[tuple[str, nn.Module]],
+            recompute: dict[int, str | None] | None = None, ordered: bool = False) -> OffloadedLayers:
+    """Put each layer of ``found`` under ``handle``: its class swapped for the wrapper that enters
+    ``handle.ctx`` around its call; returns ``handle``.
+
+    ``recompute``: ``{index in found: None (the whole layer) or a submodule's name}``, checkpointed
+    inside the context. ``ordered``: ``found`` is in the order the model calls the layers, and a
+    layer arriving at another entry of a step is an error (a plan's choices are per entry).
+    Call ``_check_free`` first where the layers may be another handle's.
+    """
+    for i, (_, layer) in enumerate(found):
         original = type(layer)
         if original in _WRAPPED:  # a copy of a layer chosen before (deepcopy keeps the class): unwrap first
             original = _WRAPPED[original]
         layer.__class__ = _wrapper_class(original)
         handle._layers.append((weakref.ref(layer), original))
         _CHOSEN[layer] = handle
+        if recompute is not None and i in recompute:
+            handle._recompute[id(layer)] = recompute[i]
+        if ordered:
+            handle._order.append(id(layer))
     return handle

@@ -20,6 +20,14 @@ Typical use::
     costs, base = measure_costs(layers, x)
     chosen = plan(costs, measure_link(), budget_bytes=budget, base_bytes=base)
     ctx, sync, run_layers = apply_plan(chosen, layers)
+
+The measurement never calls a layer itself: a step runs the layers, each inside the engine's context,
+and the engine's hooks and marks do the counting and timing. :func:`measure_costs` loops over a list of
+layers from one input (``h = layer(h)``); a model that calls its own layers, with masks, position
+embeddings and keyword arguments, is measured the same way through its own training step, its layers
+wrapped as ``offload_layers`` wraps them
+(:func:`~offload_examples.instruments.plan_model.measure_model_costs`). What differs is only how a
+step runs (``_LayerLoop`` here, ``_ModelSteps`` there).
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ import itertools
 import statistics
 import time
 import warnings
-from typing import Callable, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -52,6 +60,50 @@ def _zero(layers: Sequence[nn.Module], x: torch.Tensor) -> None:
     for layer in layers:
         layer.zero_grad(set_to_none=True)
     x.grad = None
+
+
+class _Steps(Protocol):
+    """How the measurement runs a training step of the layers it measures, each layer inside a context."""
+
+    device: torch.device
+
+    def zero(self) -> None:
+        """Clear the gradients the steps leave."""
+
+    def probing(self, ctx: OffloadEngine, sync: Callable) -> contextlib.AbstractContextManager[Callable[[], Any]]:
+        """A block in which the function it gives runs one step, every layer entering the probe ``ctx``."""
+
+    def timed(self, offloaded: Sequence[int], recomputed: dict[int, str | None]
+              ) -> tuple[Callable[[], list[Span]], OffloadEngine]:
+        """A timed step with the layers ``offloaded`` offloaded and those in ``recomputed`` checkpointed
+        (whole: ``None``, or the submodule named), and its engine (give its pool back)."""
+
+
+class _LayerLoop:
+    """:func:`measure_costs`' steps: ``h = layer(h)`` over ``layers`` from ``x`` (``training_step``)."""
+
+    def __init__(self, layers: Sequence[nn.Module], x: torch.Tensor):
+        self.layers, self.x, self.device = list(layers), x, x.device
+
+    def zero(self) -> None:
+        _zero(self.layers, self.x)
+
+    @contextlib.contextmanager
+    def probing(self, ctx: OffloadEngine, sync: Callable) -> Iterator[Callable[[], torch.Tensor]]:
+        yield lambda: training_step(self.layers, self.x, ctx, sync)
+
+    def timed(self, offloaded: Sequence[int], recomputed: dict[int, str | None]
+              ) -> tuple[Callable[[], list[Span]], OffloadEngine]:
+        run_layers = [Checkpointed(layer, recomputed[i]) if i in recomputed else layer
+                      for i, layer in enumerate(self.layers)]
+        return _hook_free_step(run_layers, self.x, offloaded, self.layers)
+
+
+def _input_bytes(args: tuple, kwargs: dict) -> int:
+    """The bytes of a layer's input: the storage of its first tensor argument, positional or keyword
+    (the hidden state; masks and position embeddings are the same tensors for every layer, held anyway)."""
+    first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    return 0 if first is None else first.untyped_storage().nbytes()
 
 
 def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 20,
@@ -97,37 +149,47 @@ def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 20,
     ``pool_kinds=False`` every layer keeps its own times (offloaded: its own kept times plus what
     offloading added to its kind's) and the last one's offloaded times stay ``None``.
     """
+    return _measure(layers, _LayerLoop(layers, x), steps, per_choice, pool_kinds, recompute_modules)
+
+
+def _measure(layers: Sequence[nn.Module], runner: _Steps, steps: int, per_choice: bool, pool_kinds: bool,
+             recompute_modules: Sequence[str] | None) -> tuple[list[LayerCost], int]:
+    """:func:`measure_costs` for layers that ``runner``'s steps run, ``layers`` in the order they run.
+
+    A forward pre-hook on each layer reads its input (any arguments: ``_input_bytes``); the probe
+    engine, which every layer enters, counts what each saves and marks where each phase starts.
+    """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    n = len(layers)
-    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=0, model_layers=n, device=x.device)
+    n, device = len(layers), runner.device
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=0, model_layers=n, device=device)
     inputs: list[int] = []
-    hooks = [layer.register_forward_pre_hook(lambda m, args: inputs.append(args[0].untyped_storage().nbytes()))
-             for layer in layers]
-
-    def step() -> torch.Tensor:
-        _zero(layers, x)
-        inputs.clear()
-        return training_step(layers, x, ctx, sync)
-
+    hooks = [layer.register_forward_pre_hook(lambda m, args, kwargs: inputs.append(_input_bytes(args, kwargs)),
+                                             with_kwargs=True) for layer in layers]
     try:
-        step()  # warm-up: workspaces, caches, the allocator's blocks
-        sites = _SavingModules.from_step(layers, ctx, step)  # one more untimed step: which module saved what
-        cuda = x.is_cuda
-        if cuda:
-            torch.cuda.synchronize(x.device)
-        base = torch.cuda.memory_allocated(x.device) if cuda else 0
-        runs = [per_layer_ms(record_layer_timeline(step, ctx), n) for _ in range(steps)]
+        with runner.probing(ctx, sync) as one:
+            def step() -> Any:
+                runner.zero()
+                inputs.clear()
+                return one()
+
+            step()  # warm-up: workspaces, caches, the allocator's blocks
+            sites = _SavingModules.from_step(layers, ctx, step)  # one more untimed step: which module saved what
+            cuda = device.type == "cuda"
+            if cuda:
+                torch.cuda.synchronize(device)
+            base = torch.cuda.memory_allocated(device) if cuda else 0
+            runs = [per_layer_ms(record_layer_timeline(step, ctx), n) for _ in range(steps)]
     finally:
         for h in hooks:
             h.remove()
-        _zero(layers, x)
+        runner.zero()
     fwd, bwd = _medians(runs, n)
     costs = [LayerCost(f, b, s.candidate_bytes, inp, storage_bytes=tuple(s.candidate_sizes),
                        storage_modules=sites.names(i, ctx.stats) if sites is not None else None)
              for i, (f, b, s, inp) in enumerate(zip(fwd, bwd, ctx.stats, inputs))]
     if per_choice:
-        costs = _per_choice(costs, layers, x, steps, recompute_modules)
+        costs = _per_choice(costs, layers, runner, steps, recompute_modules)
     return (_pooled_by_kind(costs, layers) if pool_kinds else costs), base
 
 
@@ -336,14 +398,20 @@ def _hook_free_step(layers: Sequence[nn.Module], x: torch.Tensor, offloaded: Seq
     plan's engine does, so a kept layer runs without hooks (on a launch-bound layer the probe's hooks
     lengthen each forward by about half again).
     """
-    ctx = OffloadEngine(offload_schedule(offloaded, len(layers)), device=x.device, retain_pinned_cpu_buffers=True,
-                        count_every_layer=False)
+    ctx = _hook_free_engine(offloaded, len(layers), x.device)
 
     def step() -> torch.Tensor:
         _zero(param_layers, x)
         return training_step(layers, x, ctx, ctx.sync)
 
     return (lambda: record_layer_timeline(step, ctx)), ctx
+
+
+def _hook_free_engine(offloaded: Sequence[int], n: int, device: torch.device) -> OffloadEngine:
+    """The engine of a timed run: offloads ``offloaded`` of ``n`` layers, hooks only those after its first
+    step, and keeps its pinned buffers from step to step (the warm-up pins them)."""
+    return OffloadEngine(offload_schedule(offloaded, n), device=device, retain_pinned_cpu_buffers=True,
+                         count_every_layer=False)
 
 
 #: At most this many layers of a kind are offloaded in the run that times offloading them: few
@@ -383,10 +451,11 @@ def _module_names(costs: Sequence[LayerCost], layers: Sequence[nn.Module], membe
     return names
 
 
-def _per_choice(costs: list[LayerCost], layers: Sequence[nn.Module], x: torch.Tensor, steps: int,
+def _per_choice(costs: list[LayerCost], layers: Sequence[nn.Module], source: torch.Tensor | _Steps, steps: int,
                 recompute_modules: Sequence[str] | None = None) -> list[LayerCost]:
     """``costs`` with each layer's times kept, offloaded and recomputed, from runs without the probe's
-    hooks that take turns step by step.
+    hooks that take turns step by step. ``source``: how a step runs (``_Steps``), or the input ``x`` of
+    a loop over ``layers``.
 
     The runs: every layer kept, and for each kind of layer (``_samples``) one run offloading a few of
     its layers and one recomputing a few. What a choice adds to one layer is what the whole step
@@ -404,31 +473,35 @@ def _per_choice(costs: list[LayerCost], layers: Sequence[nn.Module], x: torch.Te
     few; recomputing every layer used up host time the backward has to spare (:data:`RECOMPUTE_SHARE`).
     """
     n = len(layers)
+    runner = _LayerLoop(layers, source) if isinstance(source, torch.Tensor) else source
     samples = _samples(costs, layers)
     if recompute_modules is not None and not isinstance(recompute_modules, (list, tuple)):
         raise TypeError(f"recompute_modules must be a list or tuple of submodule names, got {recompute_modules!r}")
-    runs: dict[object, tuple[Sequence[nn.Module], tuple[int, ...]]] = {"kept": (layers, ())}
+    # each run: (the layers offloaded, {layer: None (recomputed whole) or the submodule recomputed})
+    runs: dict[object, tuple[tuple[int, ...], dict[int, str | None]]] = {"kept": ((), {})}
     for g, (members, offloaded, recomputed) in enumerate(samples):
         if offloaded:
-            runs["offloaded", g] = (layers, tuple(offloaded))
-        runs["recomputed", g] = ([Checkpointed(layer) if i in recomputed else layer
-                                  for i, layer in enumerate(layers)], ())
+            runs["offloaded", g] = (tuple(offloaded), {})
+        runs["recomputed", g] = ((), dict.fromkeys(recomputed))
         for module in _module_names(costs, layers, members, recompute_modules):
-            runs["module", g, module] = ([Checkpointed(layer, module) if i in recomputed else layer
-                                          for i, layer in enumerate(layers)], ())
+            runs["module", g, module] = ((), dict.fromkeys(recomputed, module))
     timed, engines, rounds, kept_bytes = {}, [], [], {}
     try:
-        for name, (run_layers, offloaded) in runs.items():
-            timed[name], engine = _hook_free_step(run_layers, x, offloaded, layers)
+        for name, (offloaded, recomputed) in runs.items():
+            timed[name], engine = runner.timed(offloaded, recomputed)
             engines.append(engine)
             try:
                 timed[name]()  # warm-up: pins the host buffers, which the next steps reuse
             except Exception as err:
+                if name[0] == "recomputed":
+                    raise RuntimeError(f"a step recomputing the layers {sorted(recomputed)} failed: a layer whose "
+                                       "forward changes state (a key-value cache: train with use_cache=False) cannot "
+                                       f"be recomputed. The error: {err!r}") from err
                 if name[0] != "module":
                     raise
                 warnings.warn(f"recomputing the submodule {name[2]!r} alone failed, so plans will not: {err!r}",
                               OffloadWarning)
-                _zero(layers, x)
+                runner.zero()
                 del timed[name]
                 continue
             if name[0] == "module":  # what each sampled layer holds with the module recomputed (this step counted all)
@@ -441,7 +514,7 @@ def _per_choice(costs: list[LayerCost], layers: Sequence[nn.Module], x: torch.Te
             order = [names[i] for i in orders[r % len(orders)]]
             rounds.append({name: _busy_ms(timed[name](), n) for name in order})
     finally:
-        _zero(layers, x)
+        runner.zero()
         for engine in engines:
             engine.pool.release()
     kept_f, kept_b = _medians([r["kept"] for r in rounds], n)

@@ -42,12 +42,13 @@ the last forward, every reload starts at a backward, so the two directions are n
 The package, a module per part: :mod:`~offload_examples.features.planner.costs` (what a layer costs,
 the copy link), :mod:`~offload_examples.features.planner.model` (:func:`simulate_plan`, :class:`Plan`),
 :mod:`~offload_examples.features.planner.search` (:func:`plan`, :func:`pareto`) and
-:mod:`~offload_examples.features.planner.apply` (:func:`apply_plan`, :class:`Checkpointed`).
+:mod:`~offload_examples.features.planner.apply` (:func:`apply_plan`, :func:`apply_plan_to_model`,
+:class:`Checkpointed`).
 """
 
 from __future__ import annotations
 
-from .apply import Checkpointed, apply_plan
+from .apply import Checkpointed, PlannedLayers, apply_plan, apply_plan_to_model
 from .costs import (
     KEEP, OFFLOAD, RECOMPUTE, TIME_FIELDS, Choice, LayerCost, LinkCost, ModuleCost, cap_in_modules, capped_bytes,
     host_budget, partial_caps,
@@ -57,7 +58,7 @@ from .search import EXHAUSTIVE_MAX_LAYERS, pareto, plan
 
 __all__ = [
     "KEEP", "OFFLOAD", "RECOMPUTE", "Checkpointed", "Choice", "LayerCost", "LinkCost", "ModuleCost", "Plan",
-    "SubsetSchedule",
-    "apply_plan", "cap_in_modules", "capped_bytes", "host_budget", "offload_schedule", "pareto", "partial_caps", "plan",
-    "plan_host_bytes", "simulate_plan",
+    "PlannedLayers", "SubsetSchedule",
+    "apply_plan", "apply_plan_to_model", "cap_in_modules", "capped_bytes", "host_budget", "offload_schedule", "pareto",
+    "partial_caps", "plan", "plan_host_bytes", "simulate_plan",
 ]
