@@ -18,7 +18,7 @@ from typing import Any
 
 __all__ = [
     "KEEP", "OFFLOAD", "RECOMPUTE", "TIME_FIELDS", "Choice", "LayerCost", "LinkCost", "ModuleCost", "cap_in_modules",
-    "capped_bytes", "partial_caps",
+    "capped_bytes", "host_budget", "partial_caps",
 ]
 
 
