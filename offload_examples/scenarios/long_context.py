@@ -84,7 +84,7 @@ class LongContextConfig(Timing, ScenarioConfig):
     plot: str | None = None  # where to write the plot (PNG), if anywhere
 
     SMALL = dict(layers=8, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, dtype="float32", lora_rank=4,
-                 loss_chunk=64, resolution=32, max_seq=2048, memory_limit=5 * 2**20, warmup=0)
+                 loss_chunk=64, resolution=32, max_seq=2048, memory_limit=4 * 2**20, warmup=0, steps=1)
     OFFLOAD_OF = None
 
     def check(self) -> None:
@@ -100,6 +100,9 @@ class LongContextConfig(Timing, ScenarioConfig):
         for name in ("memory_limit", "host_budget"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive number of bytes, got {getattr(self, name)}")
+        weights = self.param_count() * dtype_bytes(self.dtype)
+        if self.memory_limit is not None and self.memory_limit <= weights:
+            raise ValueError(f"memory_limit ({self.memory_limit} bytes) is too small: the weights alone take {weights}")
 
     def param_count(self) -> int:
         kv = self.hidden // self.heads * self.kv_heads
@@ -107,11 +110,14 @@ class LongContextConfig(Timing, ScenarioConfig):
         return self.layers * per_layer + 2 * self.vocab * self.hidden + self.hidden
 
     def memory_need(self, device_type: str) -> Need:
-        """The weights, and one step of the first probe (``resolution`` tokens, nothing checkpointed)."""
-        element = dtype_bytes(self.dtype)
-        tokens = self.batch * self.resolution
-        step = tokens * self.layers * (40 * self.hidden + 8 * self.ffn) * element + 3 * self.loss_chunk * self.vocab * 4
-        return Need(self.param_count() * element + step, self.param_count() * 4 // self.layers + tokens * 2**10)
+        """The weights, and a checkpointed step of the first probe (``resolution`` tokens): the layers' inputs,
+        one layer's activations (about ``16 hidden + 6 ffn`` elements a token), the loss's chunk of logits;
+        on the host, the gradient checks' copies of the adapters and the checkpoints' inputs."""
+        element, tokens = dtype_bytes(self.dtype), self.batch * self.resolution
+        inputs = tokens * self.layers * self.hidden * element
+        step = inputs + tokens * (16 * self.hidden + 6 * self.ffn) * element + 3 * self.loss_chunk * self.vocab * 4
+        adapters = self.layers * self.lora_rank * (8 * self.hidden + 3 * self.ffn + 4 * self.hidden) * 4
+        return Need(self.param_count() * element + step, (len(lc.STRATEGIES) + 2) * adapters + inputs)
 
 
 def _build(config: LongContextConfig, device: torch.device) -> lc.Trainee:
@@ -225,13 +231,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         parser.add_argument("--strategies", nargs="+", choices=list(lc.STRATEGIES), metavar="STRATEGY",
                             help=f"strategies to run, of: {', '.join(map(repr, lc.STRATEGIES))} (default: all)")
         parser.add_argument("--memory-limit", type=bytes_arg, metavar="BYTES",
-                            help="device memory a step may use, e.g. 40GiB (default: the whole GPU; 5 MiB on a CPU)")
+                            help="device memory a step may use, e.g. 40GiB (default: the whole GPU; 4 MiB on a CPU)")
         parser.add_argument("--host-budget", type=bytes_arg, metavar="BYTES",
                             help="pinned host memory the offloading may hold (default: half of what is available)")
         parser.add_argument("--plot", type=json_path_arg, metavar="PATH",
                             help="also draw tokens/s against sequence length into PATH (PNG; default: no plot)")
 
-    if (why := lc_model.hf_missing()) is not None and not {"-h", "--help"} & set(sys.argv[1:] if argv is None else argv):
+    asks_help = {"-h", "--help"} & set(sys.argv[1:] if argv is None else argv)
+    if (why := lc_model.hf_missing()) is not None and not asks_help:
         print(f"offload_examples long-context: error: {why}", file=sys.stderr)  # as any bad value: one line
         sys.exit(2)
     return scenario_main("long-context", __doc__, LongContextConfig, run, format_report, argv, extra=options)
