@@ -163,8 +163,9 @@ def choose(strategy: str, seq: int, layers: int, costs: CostModel | None, limit_
     none) and the pinned ``host_budget_bytes``.
 
     ``check``: the setting for the gradient check, which must exercise what the strategy can do: the
-    engine offloads all layers but the last, and the planner gets a budget halfway between its
-    lowest-peak plan and keeping everything, so that its plan mixes the three choices.
+    engine offloads all layers but the last, and the planner gets one layer's worth of host memory and
+    a budget halfway between its lowest-peak plan and keeping everything, so that its plan mixes the
+    three choices.
     """
     every, none = (True,) * layers, (False,) * layers
     if strategy == "no offload":
@@ -183,7 +184,8 @@ def choose(strategy: str, seq: int, layers: int, costs: CostModel | None, limit_
         k, fits = (layers - 1, True) if check else _best_k(layer_costs, costs.link, base, budget, host_budget_bytes)
         return Setting(strategy, none, k, note=f"k = {k} of {layers}" + ("" if fits else " (predicted over)"),
                        fits=fits)
-    if check:
+    if check:  # one layer's worth of host memory, and a budget only recomputation meets
+        host_budget_bytes = min(host_budget_bytes, layer_costs[0].saved_bytes)
         keep_peak = simulate_plan((KEEP,) * layers, layer_costs, costs.link, base)[0]
         low = plan(layer_costs, costs.link, 0, base, host_budget_bytes=host_budget_bytes).predicted_peak_bytes
         budget = (keep_peak + low) // 2
