@@ -58,7 +58,7 @@ class SearchResult:
 
     @property
     def best(self) -> Probe | None:
-        """The probe at :attr:`longest` (its last run), or ``None``."""
+        """The probe at ``longest`` (its last run), or ``None``."""
         return next((p for p in reversed(self.probes) if p.ok and p.seq == self.longest), None)
 
 
