@@ -24,7 +24,6 @@ The loop to copy is :func:`train`, at the top of the module.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -37,7 +36,7 @@ from offload_examples.instruments.cli import Need, bytes_arg, dtype_bytes, json_
 from offload_examples.instruments.long_context import model as lc_model
 from offload_examples.instruments.long_context import strategies as lc
 from offload_examples.instruments.long_context.memory import device_memory_limit
-from offload_examples.instruments.long_context.search import longest_sequence
+from offload_examples.instruments.long_context.search import Probe, SearchResult, longest_sequence
 from offload_examples.instruments.models import enable_activation_checkpointing
 from offload_examples.instruments.plan_costs import measure_link
 from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table, report_header
@@ -88,6 +87,8 @@ class LongContextConfig(Timing, ScenarioConfig):
     OFFLOAD_OF = None
 
     def check(self) -> None:
+        if (why := lc_model.hf_missing()) is not None:  # the command line's one-line error, as for a bad size
+            raise ValueError(why)
         if self.heads % self.kv_heads:
             raise ValueError(f"heads ({self.heads}) must be divisible by kv_heads ({self.kv_heads})")
         if self.max_seq < self.resolution:
@@ -105,14 +106,14 @@ class LongContextConfig(Timing, ScenarioConfig):
             raise ValueError(f"memory_limit ({self.memory_limit} bytes) is too small: the weights alone take {weights}")
 
     def param_count(self) -> int:
+        """The base model's parameters."""
         kv = self.hidden // self.heads * self.kv_heads
         per_layer = 2 * self.hidden * (self.hidden + kv) + 3 * self.hidden * self.ffn + 2 * self.hidden
         return self.layers * per_layer + 2 * self.vocab * self.hidden + self.hidden
 
     def memory_need(self, device_type: str) -> Need:
-        """The weights, and a checkpointed step of the first probe (``resolution`` tokens): the layers' inputs,
-        one layer's activations (about ``16 hidden + 6 ffn`` elements a token), the loss's chunk of logits;
-        on the host, the gradient checks' copies of the adapters and the checkpoints' inputs."""
+        """The weights and a checkpointed first probe (inputs, one layer's ``16 hidden + 6 ffn`` elements a token,
+        a chunk of logits); on the host, the gradient checks' copies of the adapters and the inputs."""
         element, tokens = dtype_bytes(self.dtype), self.batch * self.resolution
         inputs = tokens * self.layers * self.hidden * element
         step = inputs + tokens * (16 * self.hidden + 6 * self.ffn) * element + 3 * self.loss_chunk * self.vocab * 4
@@ -129,10 +130,15 @@ def _build(config: LongContextConfig, device: torch.device) -> lc.Trainee:
     return lc.Trainee(model, optimizer, device, config.batch, config.vocab, config.loss_chunk, config.seed)
 
 
+#: The most tokens of the gradient check and of the step that measures the layers' costs (one resolution at
+#: most; both run without the memory limit, and the deterministic kernels' attention may hold its whole matrix).
+SHORT = 1024
+
+
 def _check_grads(trainee: lc.Trainee, config: LongContextConfig, costs: lc.CostModel | None,
                  host: int) -> tuple[dict[str, Any], int]:
-    """Each strategy's adapter gradients at ``resolution`` tokens against no offloading, bit for bit."""
-    seq, out, offloaded, reference = config.resolution, {}, 0, None
+    """Each strategy's adapter gradients at :data:`SHORT` tokens (or one resolution) against no offloading."""
+    seq, out, offloaded, reference = min(config.resolution, SHORT), {}, 0, None
     for name in ["no offload", *(s for s in config.strategies if s != "no offload")]:
         with lc.strategy_session(trainee, name):
             setting = lc.choose(name, seq, trainee.layers, costs, None, host, check=True)
@@ -147,6 +153,23 @@ def _check_grads(trainee: lc.Trainee, config: LongContextConfig, costs: lc.CostM
     return out, offloaded
 
 
+def _search(trainee: lc.Trainee, config: LongContextConfig, name: str, costs: lc.CostModel | None, limit: int | None,
+            host: int, say: Callable[[str], None], only: int | None = None) -> SearchResult:
+    """The longest sequence of strategy ``name`` (with ``only``: one probe at ``only`` tokens)."""
+    def probe(seq: int) -> Probe:
+        setting = lc.choose(name, seq, trainee.layers, costs, limit, host)
+        return lc.run_at(trainee, setting, seq, limit_bytes=limit, host_budget_bytes=host, warmup=config.warmup,
+                         steps=config.steps)
+
+    predict = None
+    if name in ("engine", "planner") and only is None:  # the cost model, not a fit: their setting changes with length
+        expected = lc.predicted_longest(name, costs, trainee.layers, limit, host, config.resolution, config.max_seq)
+        predict = lambda _: expected  # noqa: E731
+    with lc.strategy_session(trainee, name):
+        return longest_sequence(probe, resolution=only or config.resolution, max_seq=only or config.max_seq,
+                                limit_bytes=limit, predict=predict, progress=say, label=name)
+
+
 def run(config: LongContextConfig | None = None, device: torch.device | str | None = None,
         progress: Callable[[str], None] | None = print) -> dict[str, Any]:
     """Run the scenario and return its report (see :func:`format_report`)."""
@@ -156,41 +179,28 @@ def run(config: LongContextConfig | None = None, device: torch.device | str | No
         f"{config.lora_rank}, lengths up to {config.max_seq} in steps of {config.resolution}")
     trainee = _build(config, device)
     host = config.host_budget if config.host_budget is not None else host_budget()
+    costs = None
+    if {"engine", "planner"} & set(config.strategies):
+        link = measure_link(device, 2**20 * (256 if device.type == "cuda" else 4))
+        costs = lc.measure_cost_model(trainee, min(config.resolution, SHORT), link)
+    grads, offloaded = _check_grads(trainee, config, costs, host)
+    say("gradients bitwise equal to no offloading's: " + ", ".join(f"{n} {g['equal']}" for n, g in grads.items()))
     results: dict[str, Any] = {}
     with device_memory_limit(device, config.memory_limit) as limit:
-        costs = None
-        if {"engine", "planner"} & set(config.strategies):
-            costs = lc.measure_cost_model(trainee, config.resolution, measure_link(device, 2**20 * (
-                256 if device.type == "cuda" else 4)))
-        grads, offloaded = _check_grads(trainee, config, costs, host)
         for name in config.strategies:
-            def probe(seq: int, name: str = name) -> Any:
-                setting = lc.choose(name, seq, trainee.layers, costs, limit, host)
-                return lc.run_at(trainee, setting, seq, limit_bytes=limit, host_budget_bytes=host,
-                                 warmup=config.warmup, steps=config.steps)
-
-            predict = None
-            if name in ("engine", "planner"):  # the cost model, not a fit: their setting changes with the length
-                expected = lc.predicted_longest(name, costs, trainee.layers, limit, host, config.resolution,
-                                                config.max_seq)
-                predict = lambda _, expected=expected: expected  # noqa: E731
-            with lc.strategy_session(trainee, name):
-                found = longest_sequence(probe, resolution=config.resolution, max_seq=config.max_seq,
-                                         limit_bytes=limit, predict=predict, progress=say, label=name)
+            found = _search(trainee, config, name, costs, limit, host, say)
             best = found.best
             results[name] = {"longest": found.longest, "capped": found.capped, "predicted": found.predicted,
                              "peak_bytes": best and best.peak_bytes, "host_bytes": best and best.host_bytes,
                              "tokens_per_s": best and best.tokens_per_s, "setting": best.note if best else "",
                              "probes": [dataclasses.asdict(p) for p in found.probes]}
         common = min((r["longest"] for r in results.values() if r["longest"]), default=0)
-        at_common = {}
-        for name in (n for n, r in results.items() if common and r["longest"]):
-            with lc.strategy_session(trainee, name):
-                p = lc.run_at(trainee, lc.choose(name, common, trainee.layers, costs, limit, host), common,
-                              limit_bytes=limit, host_budget_bytes=host, warmup=config.warmup, steps=config.steps)
-            at_common[name] = {"tokens_per_s": p.tokens_per_s, "peak_bytes": p.peak_bytes, "host_bytes": p.host_bytes}
+        say(f"every strategy at {common} tokens, the longest all of them ran:")
+        at_common = {name: _search(trainee, config, name, costs, limit, host, say, only=common).best
+                     for name, r in results.items() if common and r["longest"]}
     report = {**report_header("long-context", device, config), "memory_limit_bytes": limit, "host_budget_bytes": host,
-              "strategies": results, "common_seq": common, "at_common": at_common, "grads": grads,
+              "strategies": results, "common_seq": common, "grads": grads,
+              "at_common": {name: p and dataclasses.asdict(p) for name, p in at_common.items()},
               "grads_equal": all(g["equal"] for g in grads.values()), "offloaded_bytes": offloaded}
     if config.plot:
         from offload_examples.instruments.plots import plot_longest_sequence
@@ -206,7 +216,7 @@ def format_report(report: dict[str, Any]) -> str:
     c, common = report["config"], report["common_seq"]
     rows = []
     for name, r in report["strategies"].items():
-        at = report["at_common"].get(name, {}).get("tokens_per_s")
+        at = (report["at_common"].get(name) or {}).get("tokens_per_s")
         rows.append((name, f"{r['longest']:,}" + (" (the cap)" if r["capped"] else ""), format_bytes(r["peak_bytes"]),
                      format_bytes(r["host_bytes"]) if r["host_bytes"] else "-",
                      f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-", f"{at:,.0f}" if at else "-",
@@ -220,7 +230,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"{c['batch']}; device memory limit {limit}, pinned host budget {format_bytes(report['host_budget_bytes'])}",
         format_table(rows, header=header),
         f"longest sequences to within {c['resolution']:,} tokens, up to {c['max_seq']:,}; gradients of every strategy "
-        f"against no offloading at {c['resolution']:,} tokens, bitwise equal: {report['grads_equal']}",
+        f"against no offloading at {min(c['resolution'], SHORT):,} tokens, bitwise equal: {report['grads_equal']}",
         *cpu_timing_note(report),
     ])
 
@@ -237,8 +247,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         parser.add_argument("--plot", type=json_path_arg, metavar="PATH",
                             help="also draw tokens/s against sequence length into PATH (PNG; default: no plot)")
 
-    asks_help = {"-h", "--help"} & set(sys.argv[1:] if argv is None else argv)
-    if (why := lc_model.hf_missing()) is not None and not asks_help:
-        print(f"offload_examples long-context: error: {why}", file=sys.stderr)  # as any bad value: one line
-        sys.exit(2)
     return scenario_main("long-context", __doc__, LongContextConfig, run, format_report, argv, extra=options)

@@ -131,6 +131,8 @@ def measure_cost_model(trainee: Trainee, seq: int, link: LinkCost) -> CostModel:
         with step_memory(trainee.device, static) as mem:
             start = time.perf_counter()
             trainee.step(ids)
+            if trainee.device.type == "cuda":
+                torch.cuda.synchronize(trainee.device)
             ms = (time.perf_counter() - start) * 1e3
         saved = tuple(s.candidate_bytes for s in handle.ctx.stats)
     finally:
