@@ -140,7 +140,7 @@ def _check_grads(trainee: lc.Trainee, config: LongContextConfig, costs: lc.CostM
     """Each strategy's adapter gradients at :data:`SHORT` tokens (or one resolution) against no offloading."""
     seq, out, offloaded, reference = min(config.resolution, SHORT), {}, 0, None
     for name in ["no offload", *(s for s in config.strategies if s != "no offload")]:
-        with lc.strategy_session(trainee, name):
+        with lc.strategy_mode(trainee, name):
             setting = lc.choose(name, seq, trainee.layers, costs, None, host, check=True)
             grads, moved = lc.gradients_at(trainee, setting, seq, host)
         reference = reference or grads
@@ -165,7 +165,7 @@ def _search(trainee: lc.Trainee, config: LongContextConfig, name: str, costs: lc
     if name in ("engine", "planner") and only is None:  # the cost model, not a fit: their setting changes with length
         expected = lc.predicted_longest(name, costs, trainee.layers, limit, host, config.resolution, config.max_seq)
         predict = lambda _: expected  # noqa: E731
-    with lc.strategy_session(trainee, name):
+    with lc.strategy_mode(trainee, name):
         return longest_sequence(probe, resolution=only or config.resolution, max_seq=only or config.max_seq,
                                 limit_bytes=limit, predict=predict, progress=say, label=name)
 

@@ -43,7 +43,7 @@ from offload_examples.instruments.long_context.search import Probe
 from offload_examples.instruments.models import enable_activation_checkpointing
 
 __all__ = ["STRATEGIES", "CostModel", "Setting", "Trainee", "choose", "gradients_at", "measure_cost_model",
-           "predicted_longest", "run_at", "strategy_session"]
+           "predicted_longest", "run_at", "strategy_mode"]
 
 #: The strategies, in the order the scenario runs them.
 STRATEGIES = ("no offload", "checkpoint", "checkpoint + offload", "engine", "planner")
@@ -78,7 +78,7 @@ class Trainee:
 
 
 @contextlib.contextmanager
-def strategy_session(trainee: Trainee, strategy: str) -> Iterator[None]:
+def strategy_mode(trainee: Trainee, strategy: str) -> Iterator[None]:
     """Turn on transformers' activation checkpointing for the strategies that use it, and off afterwards."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose from: {', '.join(STRATEGIES)}")
@@ -229,7 +229,7 @@ def predicted_longest(strategy: str, costs: CostModel, layers: int, limit_bytes:
 
 @contextlib.contextmanager
 def _applied(trainee: Trainee, setting: Setting, host_budget_bytes: int) -> Iterator[OffloadedLayers | None]:
-    """The model as ``setting`` runs it (inside :func:`strategy_session`), and as before afterwards."""
+    """The model as ``setting`` runs it (inside :func:`strategy_mode`), and as before afterwards."""
     layers = decoder_layers(trainee.model)
     flags = [layer.gradient_checkpointing for layer in layers]
     for layer, on in zip(layers, setting.checkpointed):
