@@ -25,6 +25,16 @@ TINY = dict(layers=4, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=128, lora_ra
             max_seq=1024)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """The tiny models' operations are too small to share among threads: on a busy machine waking the
+    threads for each took three times as long as the whole step on one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def hf() -> None:
     if (why := hf_missing()) is None:
