@@ -35,7 +35,7 @@ from offload_examples.features.planner import host_budget
 from offload_examples.instruments.cli import Need, bytes_arg, dtype_bytes, json_path_arg
 from offload_examples.instruments.long_context import model as lc_model
 from offload_examples.instruments.long_context import strategies as lc
-from offload_examples.instruments.long_context.memory import device_memory_limit
+from offload_examples.instruments.long_context.memory import device_memory_limit, single_thread_on_cpu
 from offload_examples.instruments.long_context.search import Probe, SearchResult, longest_sequence
 from offload_examples.instruments.models import enable_activation_checkpointing
 from offload_examples.instruments.plan_costs import measure_link
@@ -101,15 +101,13 @@ class LongContextConfig(Timing, ScenarioConfig):
         for name in ("memory_limit", "host_budget"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive number of bytes, got {getattr(self, name)}")
-        weights = self.param_count() * dtype_bytes(self.dtype)
+        weights = self.weights() * dtype_bytes(self.dtype)
         if self.memory_limit is not None and self.memory_limit <= weights:
             raise ValueError(f"memory_limit ({self.memory_limit} bytes) is too small: the weights alone take {weights}")
 
-    def param_count(self) -> int:
+    def weights(self) -> int:
         """The base model's parameters."""
-        kv = self.hidden // self.heads * self.kv_heads
-        per_layer = 2 * self.hidden * (self.hidden + kv) + 3 * self.hidden * self.ffn + 2 * self.hidden
-        return self.layers * per_layer + 2 * self.vocab * self.hidden + self.hidden
+        return lc_model.llama_parameters(self.layers, self.hidden, self.heads, self.kv_heads, self.ffn, self.vocab)
 
     def memory_need(self, device_type: str) -> Need:
         """The weights and a checkpointed first probe (inputs, one layer's ``16 hidden + 6 ffn`` elements a token,
@@ -118,7 +116,7 @@ class LongContextConfig(Timing, ScenarioConfig):
         inputs = tokens * self.layers * self.hidden * element
         step = inputs + tokens * (16 * self.hidden + 6 * self.ffn) * element + 3 * self.loss_chunk * self.vocab * 4
         adapters = self.layers * self.lora_rank * (8 * self.hidden + 3 * self.ffn + 4 * self.hidden) * 4
-        return Need(self.param_count() * element + step, (len(lc.STRATEGIES) + 2) * adapters + inputs)
+        return Need(self.weights() * element + step, (len(lc.STRATEGIES) + 2) * adapters + inputs)
 
 
 def _build(config: LongContextConfig, device: torch.device) -> lc.Trainee:
@@ -130,14 +128,13 @@ def _build(config: LongContextConfig, device: torch.device) -> lc.Trainee:
     return lc.Trainee(model, optimizer, device, config.batch, config.vocab, config.loss_chunk, config.seed)
 
 
-#: The most tokens of the gradient check and of the step that measures the layers' costs (one resolution at
-#: most; both run without the memory limit, and the deterministic kernels' attention may hold its whole matrix).
+#: The most tokens of the gradient check and the cost step (no memory limit; deterministic attention is quadratic).
 SHORT = 1024
 
 
 def _check_grads(trainee: lc.Trainee, config: LongContextConfig, costs: lc.CostModel | None,
                  host: int) -> tuple[dict[str, Any], int]:
-    """Each strategy's adapter gradients at :data:`SHORT` tokens (or one resolution) against no offloading."""
+    """Each strategy's adapter gradients at :data:`SHORT` tokens (or one resolution) against no offloading's."""
     seq, out, offloaded, reference = min(config.resolution, SHORT), {}, 0, None
     for name in ["no offload", *(s for s in config.strategies if s != "no offload")]:
         with lc.strategy_mode(trainee, name):
@@ -147,8 +144,7 @@ def _check_grads(trainee: lc.Trainee, config: LongContextConfig, costs: lc.CostM
         equal = grads.keys() == reference.keys() and all(torch.equal(g, reference[k]) for k, g in grads.items())
         diff = max(((g.float() - reference[k].float()).abs().max().item() for k, g in grads.items() if k in reference
                     and g.shape == reference[k].shape), default=float("inf"))
-        out[name] = {"equal": equal, "max_abs_diff": diff, "compared": len(grads), "offloaded_bytes": moved,
-                     "setting": setting.note}
+        out[name] = dict(equal=equal, max_abs_diff=diff, compared=len(grads), offloaded_bytes=moved, plan=setting.note)
         offloaded += moved
     return out, offloaded
 
@@ -174,12 +170,16 @@ def run(config: LongContextConfig | None = None, device: torch.device | str | No
         progress: Callable[[str], None] | None = print) -> dict[str, Any]:
     """Run the scenario and return its report (see :func:`format_report`)."""
     config, device = LongContextConfig.for_run(config, device)
-    say = progress or (lambda _: None)
+    with single_thread_on_cpu(device):
+        return _run(config, device, progress or (lambda _: None))
+
+
+def _run(config: LongContextConfig, device: torch.device, say: Callable[[str], None]) -> dict[str, Any]:
     say(f"long-context scenario on {device}: {config.layers} layers of width {config.hidden}, LoRA rank "
         f"{config.lora_rank}, lengths up to {config.max_seq} in steps of {config.resolution}")
     trainee = _build(config, device)
     host = config.host_budget if config.host_budget is not None else host_budget()
-    costs = None
+    costs = None  # what the engine's k and the planner's plans are chosen from
     if {"engine", "planner"} & set(config.strategies):
         link = measure_link(device, 2**20 * (256 if device.type == "cuda" else 4))
         costs = lc.measure_cost_model(trainee, min(config.resolution, SHORT), link)

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 __all__ = ["LLAMA_8B", "LORA_TARGETS", "build_lora_llama", "chunked_cross_entropy", "decoder_layers", "hf_missing",
-           "lora_step"]
+           "llama_parameters", "lora_step"]
 
 #: Llama 3 8B's shape: what the scenario builds on a GPU (``layers``, ``hidden``, ``heads``, ``kv_heads``,
 #: ``ffn``, ``vocab``).
@@ -38,6 +38,13 @@ def hf_missing() -> str | None:
     if missing:
         return f"the long-context model needs {' and '.join(missing)}: pip install 'offload_examples[hf]'"
     return None
+
+
+def llama_parameters(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int) -> int:
+    """How many parameters the base model of these sizes has (embeddings and LM head untied)."""
+    kv = hidden // heads * kv_heads
+    per_layer = 2 * hidden * (hidden + kv) + 3 * hidden * ffn + 2 * hidden
+    return layers * per_layer + 2 * vocab * hidden + hidden
 
 
 def build_lora_llama(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, *,
