@@ -25,7 +25,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from offload_examples.core.host_pool import HostBufferPool
 
-__all__ = ["CpuMemoryMeter", "device_memory_limit", "held_bytes", "single_thread_on_cpu", "step_memory"]
+__all__ = ["CpuMemoryMeter", "OutOfMemoryError", "device_memory_limit", "held_bytes", "single_thread_on_cpu",
+           "step_memory"]
+
+#: What running out of device memory raises: ``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError``
+#: before torch 2.5, the same class since).
+OutOfMemoryError = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
 
 
 def _storages(values: Any, out: list[torch.UntypedStorage] | None = None) -> list[torch.UntypedStorage]:
@@ -90,7 +95,7 @@ class CpuMemoryMeter(TorchDispatchMode):
         now = self.now_bytes
         self.peak_bytes = max(self.peak_bytes, now)
         if raise_over and self.limit_bytes is not None and now > self.limit_bytes:
-            raise torch.OutOfMemoryError(f"CPU memory limit: {now} bytes counted > limit {self.limit_bytes} bytes")
+            raise OutOfMemoryError(f"CPU memory limit: {now} bytes counted > limit {self.limit_bytes} bytes")
 
     def _freed(self, key: int, nbytes: int) -> None:
         self._refs.pop(key, None)

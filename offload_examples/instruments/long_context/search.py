@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from offload_examples.instruments.long_context.memory import OutOfMemoryError
 from offload_examples.instruments.report import format_bytes
 
 __all__ = ["Probe", "SearchResult", "free_memory", "longest_sequence", "predict_longest"]
@@ -126,7 +127,7 @@ def longest_sequence(run: Callable[[int], Probe], *, resolution: int, max_seq: i
         nonlocal lo, hi, streak
         try:
             p = run(seq)
-        except torch.OutOfMemoryError as e:
+        except OutOfMemoryError as e:
             p = Probe(seq, False, note=f"out of memory: {str(e).splitlines()[0][:120]}")
         if not p.ok:
             free_memory()

@@ -89,8 +89,9 @@ def strategy_mode(trainee: Trainee, strategy: str) -> Iterator[None]:
     try:
         yield
     finally:
-        trainee.model.activation_checkpointing_disable()
-        trainee.model.disable_input_require_grads()  # the hook that enabling added (the model keeps its own)
+        model = trainee.model  # transformers 5 names it activation_checkpointing, older ones gradient_checkpointing
+        (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
+        model.disable_input_require_grads()  # the hook that enabling added (the model keeps its own)
 
 
 @dataclass(frozen=True)
