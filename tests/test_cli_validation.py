@@ -35,7 +35,8 @@ PREFIX = {**{name: f"offload_examples {name}: error: " for name in SCENARIOS}, "
 PROFILE = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 FLAGS = {"--small", "--tiny", "--no-plots", "--no-retain-pinned", "--reshard-after-forward", "--cpu-params"}
-POSITIVE = {"layers", "offload", "hidden", "heads", "ffn", "seq", "batch", "steps", "replays", "checks", "width", "ks", "world"}
+POSITIVE = {"layers", "offload", "hidden", "heads", "ffn", "seq", "batch", "steps", "replays", "checks", "width", "ks", "world",
+            "kv_heads", "vocab", "lora_rank", "loss_chunk", "resolution", "max_seq"}
 MAY_BE_ZERO = {"warmup", "seed", "checkpoint"}
 CHOICES = {"dtype": DTYPES, "kind": KINDS, "backend": ("auto", "nccl", "gloo"), "models": tuple(bench.MODELS),
            "strategies": bench.STRATEGIES, "wrap": ("fsdp", "ddp")}
@@ -136,8 +137,11 @@ def _bad_option(command: str, option: str) -> st.SearchStrategy[list[str]]:
         return value(_bad_choice(name))
     if name == "device":
         return value(_bad_device(command))
-    if name == "json":
+    if name in ("json", "plot"):
         return value(BAD_JSON)
+    if name in ("memory_limit", "host_budget"):  # a positive number of bytes, with or without a unit
+        return value(st.one_of(st.sampled_from(["0", "-1", "0.5", "GiB", "", "12XB", "nan", "inf", "1 GB B"]),
+                               st.text(max_size=8).filter(lambda s: not _is_bytes(s))))
     if name == "out":
         return value(BAD_OUT)
     if name == "fractions":
@@ -147,6 +151,14 @@ def _bad_option(command: str, option: str) -> st.SearchStrategy[list[str]]:
         return value(st.one_of(st.floats().filter(lambda f: not 0 < f <= 1).map(str),
                                st.text(max_size=14).filter(lambda s: not _maybe_plan(s))))
     raise AssertionError(f"{command}: no bad values for {option}; add them to this test")
+
+
+def _is_bytes(text: str) -> bool:
+    try:
+        cli.bytes_arg(text)
+    except Exception:
+        return False
+    return True
 
 
 def _maybe_plan(text: str) -> bool:

@@ -26,11 +26,11 @@ import torch
 from offload_examples.instruments.models import has_transformer_engine
 
 __all__ = [
-    "DTYPES", "KINDS", "MARGIN_PERCENT", "RESERVE_BYTES", "SKIP_ENV", "ArgumentParser", "HelpFormatter", "Need",
-    "OutputFile", "SizeError", "Stack", "add_device", "add_json", "check_kind", "check_memory", "check_sizes",
-    "claim_output", "default_device", "device_arg", "dtype_bytes", "field_int_arg", "fractions_arg", "gpu_free_bytes",
-    "host_available_bytes", "int_arg", "json_path_arg", "json_text", "memory_error", "nonnegative_int", "one_line",
-    "output_folder_arg", "positive_int", "size_error_text", "write_atomic",
+    "BYTE_UNITS", "DTYPES", "KINDS", "MARGIN_PERCENT", "RESERVE_BYTES", "SKIP_ENV", "ArgumentParser", "HelpFormatter",
+    "Need", "OutputFile", "SizeError", "Stack", "add_device", "add_json", "bytes_arg", "check_kind", "check_memory",
+    "check_sizes", "claim_output", "default_device", "device_arg", "dtype_bytes", "field_int_arg", "fractions_arg",
+    "gpu_free_bytes", "host_available_bytes", "int_arg", "json_path_arg", "json_text", "memory_error",
+    "nonnegative_int", "one_line", "output_folder_arg", "positive_int", "size_error_text", "write_atomic",
 ]
 
 #: The dtypes a scenario's ``--dtype`` accepts.
@@ -104,6 +104,26 @@ def int_arg(minimum: int, maximum: int | None = None):
 positive_int = int_arg(1)
 #: An argparse ``type``: an integer of at least 0.
 nonnegative_int = int_arg(0)
+
+
+#: The units :func:`bytes_arg` accepts after a number, in bytes.
+BYTE_UNITS = {"": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "KB": 10**3, "MB": 10**6,
+              "GB": 10**9, "TB": 10**12}
+
+
+def bytes_arg(text: str) -> int:
+    """An argparse ``type``: a positive number of bytes, plain (``1048576``) or with a unit of
+    :data:`BYTE_UNITS` (``40GiB``, ``1.5GB``, ``512 MiB``)."""
+    number = text.strip().rstrip("".join({c for unit in BYTE_UNITS for c in unit})).strip()
+    unit = text.strip()[len(number):].strip()
+    try:
+        value = float(number) * BYTE_UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"expected a number of bytes such as 1048576 or 40GiB "
+                                         f"(units: {', '.join(u for u in BYTE_UNITS if u)}), got {text!r}") from None
+    if not (math.isfinite(value) and value >= 1):
+        raise argparse.ArgumentTypeError(f"must be a positive number of bytes, got {text!r}")
+    return int(value)
 
 
 def field_int_arg(name: str):

@@ -12,8 +12,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "plot_bench_memory_time", "plot_bench_overhead", "plot_bench_saving", "plot_fraction_tradeoff",
-    "plot_memory_by_phase", "plot_memory_curves", "plot_overlap", "plot_schedule", "plot_stream_timeline", "plot_sweep", "plot_timeline",
-    "plot_variants",
+    "plot_longest_sequence", "plot_memory_by_phase", "plot_memory_curves", "plot_overlap", "plot_schedule",
+    "plot_stream_timeline", "plot_sweep", "plot_timeline", "plot_variants",
 ]
 
 GiB = 2**30
@@ -217,6 +217,29 @@ def plot_variants(rows: Mapping[str, Mapping[str, Any]], title: str = "") -> Fig
     if title:
         fig.suptitle(title)
     return fig
+
+
+def plot_longest_sequence(report: Mapping[str, Any], ax: Axes | None = None) -> Axes:
+    """Tokens per second against sequence length, one line per strategy, each ending (with an ``x``) at
+    the longest length that strategy ran.
+
+    Takes the report of :mod:`offload_examples.scenarios.long_context`: each strategy's probes that ran.
+    """
+    ax = _axes(ax, (7, 4))
+    for name, result in report["strategies"].items():
+        runs = sorted((p["seq"], p["tokens_per_s"]) for p in result["probes"] if p["ok"])
+        if not runs:
+            continue
+        line = ax.plot([s for s, _ in runs], [t for _, t in runs], "o-", markersize=3, label=name)[0]
+        end = max(runs)
+        ax.plot(*end, "x", color=line.get_color(), markersize=9, markeredgewidth=2)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("tokens per second")
+    ax.set_title("where each line ends (x), the next length ran out of memory", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return ax
 
 
 def plot_fraction_tradeoff(report: Mapping[str, Any], ax: Axes | None = None) -> Axes:

@@ -8,4 +8,5 @@ SCENARIOS = {
     "weight-streaming": "offload_examples.scenarios.weight_streaming",
     "optimizer-offload": "offload_examples.scenarios.optimizer_offload",
     "fsdp": "offload_examples.scenarios.fsdp",
+    "long-context": "offload_examples.scenarios.long_context",
 }

@@ -1,0 +1,171 @@
+"""The longest sequence whose training step completes: predicted from memory, then confirmed by steps.
+
+:func:`longest_sequence` probes lengths that are multiples of a resolution. Each probe runs a training
+step (``run(seq)``, which returns a :class:`Probe`); one that runs out of memory raises
+``torch.OutOfMemoryError``, which the search catches: it frees what the failed step held
+(:func:`free_memory`) and goes on. The first two probes (one and two resolutions) measure how the
+step's peak memory grows with the length; a line through the successful probes' peaks (a parabola
+once three are known, for attention kernels whose memory grows with the square of the length)
+predicts the longest length under the limit, and the next probes confirm it: the predicted length,
+then its neighbours, until a length that runs sits one resolution below one that does not (or at
+``max_seq``). A prediction that misses twice in a row gives way to bisection between the longest
+length that ran and the shortest that did not, and two successes in a row to steps that double, so
+the search ends after about ``log2(max_seq / resolution)`` probes at worst, and after three or four
+where memory grows as measured.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from offload_examples.instruments.long_context.memory import OutOfMemoryError
+from offload_examples.instruments.report import format_bytes
+
+__all__ = ["Probe", "SearchResult", "free_memory", "longest_sequence", "predict_longest"]
+
+
+@dataclass
+class Probe:
+    """One training step at one length: whether it completed, and what it took.
+
+    ``peak_bytes``: the step's peak device memory; ``host_bytes``: the pinned host memory the offload
+    engine held at once; ``tokens_per_s``: tokens trained per second (median step time); ``note``: why
+    it failed, or what the strategy ran (the plan, the number of offloaded layers).
+    """
+
+    seq: int
+    ok: bool
+    peak_bytes: int | None = None
+    host_bytes: int | None = None
+    tokens_per_s: float | None = None
+    note: str = ""
+
+
+@dataclass
+class SearchResult:
+    """The longest length that ran (0: not even ``resolution``), every probe in the order run, the first
+    prediction, and whether the search stopped at ``max_seq`` (the longest length it may try) rather
+    than at a failure."""
+
+    longest: int
+    resolution: int
+    probes: list[Probe] = field(default_factory=list)
+    predicted: int | None = None
+    capped: bool = False
+
+    @property
+    def best(self) -> Probe | None:
+        """The probe at ``longest`` (its last run), or ``None``."""
+        return next((p for p in reversed(self.probes) if p.ok and p.seq == self.longest), None)
+
+
+def free_memory() -> None:
+    """Give back what a failed step left: its graph (the garbage collector breaks the cycles an
+    exception's frames make), CUDA's cached blocks, and the pinned host blocks PyTorch keeps."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        host_empty = getattr(torch._C, "_host_emptyCache", None)
+        if host_empty is not None:
+            host_empty()
+
+
+def predict_longest(points: list[tuple[int, int]], limit_bytes: int | None, resolution: int, max_seq: int) -> int:
+    """The longest multiple of ``resolution`` (at most ``max_seq``) whose peak, fitted to ``points``
+    (``(seq, peak_bytes)`` of steps that ran), stays within ``limit_bytes``; ``max_seq`` without a limit
+    or with fewer than two lengths measured."""
+    seqs = sorted({s for s, _ in points})
+    if limit_bytes is None or len(seqs) < 2:
+        return max_seq
+    peak = {s: max(b for t, b in points if t == s) for s in seqs}
+    xs = torch.tensor(seqs, dtype=torch.float64)
+    ys = torch.tensor([peak[s] for s in seqs], dtype=torch.float64)
+    degree = 2 if len(seqs) >= 3 else 1
+    coeffs = torch.linalg.lstsq(torch.stack([xs ** d for d in range(degree + 1)], 1), ys[:, None]).solution[:, 0]
+    if degree == 2 and coeffs[2] < 0:  # memory does not grow slower than linearly: fit a line instead
+        degree, coeffs = 1, torch.linalg.lstsq(torch.stack([xs ** 0, xs], 1), ys[:, None]).solution[:, 0]
+    lo, hi = 0, max_seq // resolution  # in resolutions: the largest n with fitted(n * resolution) <= limit
+    while lo < hi:
+        n = (lo + hi + 1) // 2
+        x = float(n * resolution)
+        if sum(float(c) * x ** d for d, c in enumerate(coeffs)) <= limit_bytes:
+            lo = n
+        else:
+            hi = n - 1
+    return lo * resolution
+
+
+def longest_sequence(run: Callable[[int], Probe], *, resolution: int, max_seq: int, limit_bytes: int | None,
+                     predict: Callable[[list[tuple[int, int]]], int] | None = None,
+                     progress: Callable[[str], None] | None = None, label: str = "") -> SearchResult:
+    """Search the longest length, a multiple of ``resolution`` up to ``max_seq``, at which ``run`` completes.
+
+    ``run(seq)`` runs the training step at ``seq`` tokens and returns its :class:`Probe`; running out of
+    memory is ``torch.OutOfMemoryError`` (a failed probe). The result's longest length ran and the next
+    multiple of ``resolution`` did not (or the longest is ``max_seq``): it is within ``resolution`` of
+    the true boundary, provided the steps' memory grows with the length. ``predict`` replaces the fit
+    (:func:`predict_longest`) for a strategy that changes what it does with the length, whose peaks lie
+    on no one curve: given the ``(seq, peak_bytes)`` measured so far, it returns the longest length it
+    expects to run. ``progress`` gets one line per probe.
+    """
+    if resolution < 1 or max_seq < 1:
+        raise ValueError(f"resolution and max_seq must be positive, got {resolution} and {max_seq}")
+    if max_seq < resolution:
+        raise ValueError(f"max_seq ({max_seq}) must be at least one resolution ({resolution})")
+    max_seq -= max_seq % resolution
+    say = progress or (lambda _: None)
+    result = SearchResult(0, resolution)
+    lo, hi = 0, max_seq + resolution  # the longest that ran, the shortest that did not (or past max_seq)
+    streak = 0  # successes in a row (> 0) or failures in a row (< 0)
+
+    def probe(seq: int, why: str) -> None:
+        nonlocal lo, hi, streak
+        try:
+            p = run(seq)
+        except OutOfMemoryError as e:
+            p = Probe(seq, False, note=f"out of memory: {str(e).splitlines()[0][:120]}")
+        if not p.ok:
+            free_memory()
+        result.probes.append(p)
+        if p.ok:
+            lo, streak = max(lo, seq), max(streak, 0) + 1
+        else:
+            hi, streak = min(hi, seq), min(streak, 0) - 1
+        say(f"  [{label}] {why:>10} {seq:>8} tokens: " + (_ok_text(p) if p.ok else p.note))
+
+    probe(resolution, "first")
+    if lo and 2 * resolution <= max_seq:
+        probe(2 * resolution, "slope")
+    up = resolution  # the step above the longest that ran, when the fit predicts nothing longer
+    while lo and hi - lo > resolution:
+        points = [(p.seq, p.peak_bytes) for p in result.probes if p.ok and p.peak_bytes is not None]
+        guess = predict(points) if predict is not None else predict_longest(points, limit_bytes, resolution, max_seq)
+        guess -= guess % resolution
+        if result.predicted is None:
+            result.predicted = guess
+        if streak <= -2:  # the fit overshot twice: bisect
+            guess, why = (lo + hi) // 2 // resolution * resolution, "bisect"
+        elif guess <= lo:  # the fit says nothing longer runs: confirm one step above, doubling while it runs
+            guess, why = lo + up, "confirm" if up == resolution else "gallop"
+        else:
+            why = "predicted" if guess < hi else "below"
+        guess = min(max(guess, lo + resolution), hi - resolution)
+        probe(guess, why)
+        up = 2 * up if why in ("confirm", "gallop") and result.probes[-1].ok else resolution
+    result.longest = lo
+    result.capped = lo == max_seq
+    return result
+
+
+def _ok_text(p: Probe) -> str:
+    parts = [f"ran, peak {format_bytes(p.peak_bytes)}" if p.peak_bytes is not None else "ran"]
+    if p.host_bytes:
+        parts.append(f"pinned host {format_bytes(p.host_bytes)}")
+    if p.tokens_per_s is not None:
+        parts.append(f"{p.tokens_per_s:,.0f} tokens/s")
+    return ", ".join(parts) + (f" ({p.note})" if p.note else "")

@@ -1,0 +1,294 @@
+"""The strategies the long-context scenario compares, each applied to the unmodified model.
+
+- ``no offload``: every layer keeps what it saves.
+- ``checkpoint``: transformers' activation checkpointing: each layer keeps only its input and runs its
+  forward again in the backward.
+- ``checkpoint + offload``: the same, with the checkpoints' inputs of all layers but the last in pinned
+  host memory: :func:`~offload_examples.features.apply.offload_layers` around layers whose call
+  transformers checkpoints offloads exactly what each checkpoint keeps.
+- ``engine``: the engine's k-of-N offloading of everything the first ``k`` layers save, at the ``k``
+  best for each length: the fewest layers whose predicted peak fits the memory limit (fewer copies,
+  faster), within the pinned host budget.
+- ``planner``: :func:`~offload_examples.features.planner.plan` given the memory limit and the pinned
+  host budget chooses keep, offload or recompute for each layer, at each length.
+
+The last two need each layer's costs. The planner's
+:func:`~offload_examples.instruments.plan_costs.measure_costs` measures layers that a loop calls as
+``h = layer(h)``; a Hugging Face model calls its layers itself, with more arguments. Until it measures
+them, :class:`CostModel` is the adapter: one step of the model at one length, through an engine that
+offloads nothing and counts what each layer saves, and its time split evenly over the layers; bytes
+and times are scaled in proportion to the length (memory-efficient attention saves bytes in
+proportion to it; times grow faster, which only makes copies easier to hide than predicted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from offload_examples.core.errors import OffloadWarning
+from offload_examples.features.apply import OffloadedLayers, offload_layers
+from offload_examples.features.planner import (KEEP, OFFLOAD, RECOMPUTE, LayerCost, LinkCost, plan, plan_host_bytes,
+                                                simulate_plan)
+from offload_examples.instruments.measure import deterministic_kernels
+from offload_examples.instruments.long_context.memory import held_bytes, step_memory
+from offload_examples.instruments.long_context.model import decoder_layers, lora_step
+from offload_examples.instruments.long_context.search import Probe
+from offload_examples.instruments.models import enable_activation_checkpointing
+
+__all__ = ["STRATEGIES", "CostModel", "Setting", "Trainee", "choose", "gradients_at", "measure_cost_model",
+           "predicted_longest", "run_at", "strategy_mode"]
+
+#: The strategies, in the order the scenario runs them.
+STRATEGIES = ("no offload", "checkpoint", "checkpoint + offload", "engine", "planner")
+_CHECKPOINTED = ("checkpoint", "checkpoint + offload", "planner")
+_NO_LIMIT = 2**62  # the planner's budget where nothing limits memory
+
+
+@dataclass
+class Trainee:
+    """The model being fine-tuned, its optimizer, and how one of its steps is run."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    batch: int
+    vocab: int
+    loss_chunk: int
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.layer_cls = type(decoder_layers(self.model)[0])  # before offload_layers swaps any class
+        self.layers = len(decoder_layers(self.model))
+
+    def ids(self, seq: int) -> torch.Tensor:
+        """``batch`` random sequences of ``seq`` tokens (the same for the same length)."""
+        gen = torch.Generator().manual_seed(self.seed + seq)
+        return torch.randint(0, self.vocab, (self.batch, seq), generator=gen).to(self.device)
+
+    def step(self, ids: torch.Tensor, optimize: bool = True) -> torch.Tensor:
+        """One training step on ``ids`` (:func:`~offload_examples.instruments.long_context.model.lora_step`)."""
+        return lora_step(self.model, ids, self.loss_chunk, self.optimizer if optimize else None)
+
+
+@contextlib.contextmanager
+def strategy_mode(trainee: Trainee, strategy: str) -> Iterator[None]:
+    """Turn on transformers' activation checkpointing for the strategies that use it, and off afterwards."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose from: {', '.join(STRATEGIES)}")
+    if strategy not in _CHECKPOINTED:
+        yield
+        return
+    enable_activation_checkpointing(trainee.model)
+    try:
+        yield
+    finally:
+        model = trainee.model  # transformers 5 names it activation_checkpointing, older ones gradient_checkpointing
+        (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
+        model.disable_input_require_grads()  # the hook that enabling added (the model keeps its own)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The planner's costs of an unmodified model's layers at any length, from one step measured at ``seq``
+    (the adapter; see the module's docstring).
+
+    ``saved_bytes`` and ``input_bytes``: per layer, what its forward saves and its input (what a checkpoint
+    keeps); ``layer_ms``: one layer's forward time; ``static_bytes``: weights and optimizer state;
+    ``other_bytes``: the rest of the step's peak (the loss, the backward's temporaries), which grows with
+    the length.
+    """
+
+    seq: int
+    saved_bytes: tuple[int, ...]
+    input_bytes: tuple[int, ...]
+    layer_ms: float
+    static_bytes: int
+    other_bytes: int
+    link: LinkCost
+
+    def at(self, seq: int) -> tuple[list[LayerCost], int]:
+        """``(one LayerCost per layer, base bytes)`` at ``seq`` tokens, for :func:`plan`."""
+        f = seq / self.seq
+        costs = [LayerCost(self.layer_ms * f, 2 * self.layer_ms * f, round(s * f), round(i * f))
+                 for s, i in zip(self.saved_bytes, self.input_bytes)]
+        return costs, self.static_bytes + round(self.other_bytes * f)
+
+
+def measure_cost_model(trainee: Trainee, seq: int, link: LinkCost) -> CostModel:
+    """Measure a :class:`CostModel` with one step at ``seq`` tokens (after one to warm up), nothing
+    checkpointed: the engine's probe counts each layer's saved bytes, the step its peak and time."""
+    ids = trainee.ids(seq)
+    handle = offload_layers(trainee.model, trainee.layer_cls, num_layers=0, device=trainee.device)
+    try:
+        trainee.step(ids)
+        static = held_bytes(trainee.model, trainee.optimizer, ids)
+        with step_memory(trainee.device, static) as mem:
+            start = time.perf_counter()
+            trainee.step(ids)
+            if trainee.device.type == "cuda":
+                torch.cuda.synchronize(trainee.device)
+            ms = (time.perf_counter() - start) * 1e3
+        saved = tuple(s.candidate_bytes for s in handle.ctx.stats)
+    finally:
+        handle.remove()
+    if trainee.device.type == "cuda":
+        static = torch.cuda.memory_allocated(trainee.device)
+    width = trainee.model.get_base_model().config.hidden_size
+    element = next(p for p in trainee.model.parameters() if p.is_floating_point()).element_size()
+    inputs = (trainee.batch * seq * width * element,) * trainee.layers
+    other = max(mem["peak_bytes"] - static - sum(saved), 0)
+    return CostModel(seq, saved, inputs, ms / 3 / trainee.layers, static, other, link)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What a strategy runs at one length: which layers are checkpointed, how many of the first layers the
+    engine offloads (with byte caps, from a plan), and in words."""
+
+    strategy: str
+    checkpointed: tuple[bool, ...]
+    offloaded: int
+    caps: tuple[tuple[int, int], ...] = ()
+    note: str = ""
+    fits: bool = True  # the cost model predicts it within the limit (engine and planner)
+
+
+def choose(strategy: str, seq: int, layers: int, costs: CostModel | None, limit_bytes: int | None,
+           host_budget_bytes: int, check: bool = False) -> Setting:
+    """The :class:`Setting` of ``strategy`` at ``seq`` tokens under the device ``limit_bytes`` (``None``:
+    none) and the pinned ``host_budget_bytes``.
+
+    ``check``: the setting for the gradient check, which must exercise what the strategy can do: the
+    engine offloads all layers but the last, and the planner gets one layer's worth of host memory and
+    a budget halfway between its lowest-peak plan and keeping everything, so that its plan mixes the
+    three choices.
+    """
+    every, none = (True,) * layers, (False,) * layers
+    if strategy == "no offload":
+        return Setting(strategy, none, 0)
+    if strategy == "checkpoint":
+        return Setting(strategy, every, 0)
+    if strategy == "checkpoint + offload":
+        return Setting(strategy, every, layers - 1, note=f"checkpoint inputs of {layers - 1} layers offloaded")
+    if strategy not in ("engine", "planner"):
+        raise ValueError(f"unknown strategy {strategy!r}; choose from: {', '.join(STRATEGIES)}")
+    if costs is None:
+        raise ValueError(f"the {strategy} strategy needs the layers' costs (measure_cost_model)")
+    layer_costs, base = costs.at(seq)
+    budget = _NO_LIMIT if limit_bytes is None else limit_bytes
+    if strategy == "engine":
+        k, fits = (layers - 1, True) if check else _best_k(layer_costs, costs.link, base, budget, host_budget_bytes)
+        return Setting(strategy, none, k, note=f"k = {k} of {layers}" + ("" if fits else " (predicted over)"),
+                       fits=fits)
+    if check:  # one layer's worth of host memory, and a budget only recomputation meets
+        host_budget_bytes = min(host_budget_bytes, layer_costs[0].saved_bytes)
+        keep_peak = simulate_plan((KEEP,) * layers, layer_costs, costs.link, base)[0]
+        low = plan(layer_costs, costs.link, 0, base, host_budget_bytes=host_budget_bytes).predicted_peak_bytes
+        budget = (keep_peak + low) // 2
+    chosen = plan(layer_costs, costs.link, budget, base, host_budget_bytes=host_budget_bytes)
+    if chosen.offload_prefix is None:
+        raise AssertionError("the planner offloads a prefix of the layers (prefix_only)")
+    return Setting(strategy, tuple(c is RECOMPUTE for c in chosen.choices), chosen.offload_prefix,
+                   tuple(chosen.capped.items()), chosen.summary() + ("" if chosen.feasible else " (predicted over)"),
+                   chosen.feasible)
+
+
+def _best_k(costs: list[LayerCost], link: LinkCost, base: int, budget: int, host_budget: int) -> tuple[int, bool]:
+    """``(k, whether it fits)``: the fewest offloaded first layers whose predicted peak fits ``budget``, within
+    the host budget; where none fits, the most the host budget allows (the lowest peak)."""
+    n, fits_host = len(costs), 0
+    for k in range(n):
+        choices = (OFFLOAD,) * k + (KEEP,) * (n - k)
+        if plan_host_bytes(choices, costs) > host_budget:
+            break
+        fits_host = k
+        if simulate_plan(choices, costs, link, base)[0] <= budget:
+            return k, True
+    return fits_host, False
+
+
+def predicted_longest(strategy: str, costs: CostModel, layers: int, limit_bytes: int | None, host_budget_bytes: int,
+                      resolution: int, max_seq: int) -> int:
+    """The longest multiple of ``resolution`` (at most ``max_seq``) at which the engine or the planner finds a
+    setting that :class:`CostModel` predicts to fit: what their search tries first."""
+    lo, hi = 0, max_seq // resolution
+    while lo < hi:
+        n = (lo + hi + 1) // 2
+        if choose(strategy, n * resolution, layers, costs, limit_bytes, host_budget_bytes).fits:
+            lo = n
+        else:
+            hi = n - 1
+    return lo * resolution
+
+
+@contextlib.contextmanager
+def _applied(trainee: Trainee, setting: Setting, host_budget_bytes: int) -> Iterator[OffloadedLayers | None]:
+    """The model as ``setting`` runs it (inside :func:`strategy_mode`), and as before afterwards."""
+    layers = decoder_layers(trainee.model)
+    flags = [layer.gradient_checkpointing for layer in layers]
+    for layer, on in zip(layers, setting.checkpointed):
+        layer.gradient_checkpointing = on and hasattr(layer, "_gradient_checkpointing_func")
+    handle = None
+    if setting.offloaded:
+        handle = offload_layers(trainee.model, trainee.layer_cls, num_layers=setting.offloaded, device=trainee.device,
+                                host_memory_limit=host_budget_bytes,
+                                max_offload_bytes_per_layer=dict(setting.caps) or None)
+    try:
+        yield handle
+    finally:
+        if handle is not None:
+            handle.remove()
+        for layer, on in zip(layers, flags):
+            layer.gradient_checkpointing = on
+
+
+def run_at(trainee: Trainee, setting: Setting, seq: int, *, limit_bytes: int | None, host_budget_bytes: int,
+           warmup: int = 1, steps: int = 1) -> Probe:
+    """``warmup`` then ``steps`` training steps at ``seq`` tokens under ``setting``: the peak device memory of
+    them all, the engine's pinned host memory, and tokens per second over the timed steps.
+
+    Raises ``torch.OutOfMemoryError`` where a step does not fit (on a CPU, over ``limit_bytes``).
+    """
+    ids = trainee.ids(seq)
+    cuda = trainee.device.type == "cuda"
+    peak, times = 0, []
+    trainee.optimizer.zero_grad(set_to_none=True)  # a step that failed may have left some
+    with _applied(trainee, setting, host_budget_bytes) as handle, warnings.catch_warnings(record=True) as caught:
+        warnings.filterwarnings("always", "keeping saved tensors", OffloadWarning)  # over the host budget
+        pools = [handle.ctx.pool] if handle is not None else []
+        for i in range(warmup + steps):
+            base = held_bytes(trainee.model, trainee.optimizer, ids)
+            with step_memory(trainee.device, base, limit_bytes, pools) as mem:
+                start = time.perf_counter()
+                trainee.step(ids)
+                if cuda:
+                    torch.cuda.synchronize(trainee.device)
+                elapsed = time.perf_counter() - start
+            peak = max(peak, mem["peak_bytes"])
+            if i >= warmup:
+                times.append(elapsed)
+        host = handle.ctx.pool.peak_bytes if handle is not None else 0
+    kept = any(issubclass(w.category, OffloadWarning) for w in caught)
+    note = setting.note + ("; the host budget kept some tensors on the device" if kept else "")
+    times.sort()
+    return Probe(seq, True, peak, host, trainee.batch * seq / times[len(times) // 2], note.strip("; "))
+
+
+def gradients_at(trainee: Trainee, setting: Setting, seq: int, host_budget_bytes: int) -> tuple[dict, int]:
+    """The adapters' gradients of one step at ``seq`` tokens under ``setting``, with deterministic kernels and
+    without the optimizer's step (copied to the host), and the bytes the engine offloaded."""
+    ids = trainee.ids(seq)
+    trainee.optimizer.zero_grad(set_to_none=True)
+    with _applied(trainee, setting, host_budget_bytes) as handle, deterministic_kernels():
+        trainee.step(ids, optimize=False)
+        offloaded = sum(s.offloaded_bytes for s in handle.ctx.stats) if handle is not None else 0
+    grads = {n: p.grad.to("cpu", copy=True) for n, p in trainee.model.named_parameters() if p.grad is not None}
+    trainee.optimizer.zero_grad(set_to_none=True)
+    return grads, offloaded

@@ -1,0 +1,226 @@
+"""The long-context scenario: the search for the longest sequence, the CPU's memory limit, the strategies'
+steps and gradients, the report and its plot, and bad input.
+
+The model tests need transformers and peft (the ``hf`` extra, part of the ``test`` extra that ``make test``
+installs): without them they skip, saying what to install, except under CI, where they fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from offload_examples.core.host_pool import HostBufferPool
+from offload_examples.instruments.long_context import search
+from offload_examples.instruments.long_context.memory import CpuMemoryMeter
+from offload_examples.instruments.long_context.model import chunked_cross_entropy, hf_missing
+from offload_examples.instruments.long_context.search import Probe, longest_sequence, predict_longest
+from offload_examples.instruments.long_context.strategies import STRATEGIES, choose
+
+CPU = torch.device("cpu")
+TINY = dict(layers=4, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=128, lora_rank=4, loss_chunk=32, resolution=32,
+            max_seq=1024)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """The tiny models' operations are too small to share among threads: on a busy machine waking the
+    threads for each took three times as long as the whole step on one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def hf() -> None:
+    if (why := hf_missing()) is None:
+        return
+    if os.environ.get("CI") in ("true", "1"):
+        pytest.fail(f"{why}; CI installs the test extra, which includes it")
+    pytest.skip(why)
+
+
+def _run_under(peak_of, limit: int):
+    """A probe function whose step needs ``peak_of(seq)`` bytes and runs out of memory over ``limit``."""
+    def run(seq: int) -> Probe:
+        if peak_of(seq) > limit:
+            raise torch.OutOfMemoryError(f"{peak_of(seq)} > {limit}")
+        return Probe(seq, True, peak_of(seq))
+    return run
+
+
+def _assert_boundary(result: search.SearchResult, fits) -> None:
+    ran = [p.seq for p in result.probes if p.ok]
+    refused = [p.seq for p in result.probes if not p.ok]
+    assert all(fits(s) for s in ran) and not any(fits(s) for s in refused)
+    assert not refused or max(ran, default=0) < min(refused)  # monotone: everything that ran is shorter
+    assert result.longest == max(ran, default=0) and fits(result.longest) or result.longest == 0
+    assert result.capped or not fits(result.longest + result.resolution)  # within the resolution
+
+
+@pytest.mark.parametrize("a, b, c", [(1000, 10, 0.0), (1000, 10, 0.02), (50_000, 5, 0.0), (100, 7, 0.001)])
+def test_the_search_finds_the_boundary_within_the_resolution(a, b, c, monkeypatch):
+    freed = []
+    monkeypatch.setattr(search, "free_memory", lambda: freed.append(1))
+    peak, limit = (lambda s: a + b * s + c * s * s), 60_000
+    lines: list[str] = []
+    result = longest_sequence(_run_under(peak, limit), resolution=16, max_seq=8192, limit_bytes=limit,
+                              progress=lines.append, label="sim")
+    _assert_boundary(result, lambda s: peak(s) <= limit)
+    assert len(lines) == len(result.probes) and all("[sim]" in line for line in lines)  # a line per probe
+    assert len(freed) == sum(not p.ok for p in result.probes) > 0  # each refusal caught and freed
+    assert len(result.probes) <= 8
+
+
+def test_the_search_stops_at_max_seq_and_at_a_first_refusal():
+    everything = longest_sequence(_run_under(lambda s: s, 10**9), resolution=8, max_seq=100, limit_bytes=None)
+    assert everything.longest == 96 and everything.capped
+    nothing = longest_sequence(_run_under(lambda s: s, 4), resolution=8, max_seq=100, limit_bytes=4)
+    assert nothing.longest == 0 and [p.ok for p in nothing.probes] == [False] and nothing.best is None
+
+
+def test_the_prediction_fits_a_line_then_a_parabola():
+    assert predict_longest([(16, 160), (32, 320)], 1000, 16, 4096) == 96
+    assert predict_longest([(10, 100), (20, 400), (30, 900)], 2600, 10, 4096) == 50
+    assert predict_longest([(16, 160)], 1000, 16, 4096) == 4096  # one length says nothing of the slope
+
+
+def test_the_cpu_meter_counts_what_ops_allocate_leaves_out_host_buffers_and_refuses_past_its_limit():
+    x = torch.ones(256)  # made before: not counted
+    with CpuMemoryMeter(base_bytes=1000) as meter:
+        y = x * 2  # 1 KiB
+        z = y.view(16, 16)  # a view: nothing new
+        y.add_(1)  # in place: nothing new
+        del y, z
+        w = torch.empty(512)  # 2 KiB, after the first was freed
+    assert meter.peak_bytes == 1000 + 2048 and meter.now_bytes == 1000 + 2048
+    del w
+    pool = HostBufferPool(pin_memory=False)
+    with CpuMemoryMeter(host_pools=[pool]) as meter:
+        buf = pool.acquire(4096)  # host memory: left out
+        kept = torch.ones(8)
+    assert meter.peak_bytes == kept.nbytes == 32
+    pool.give_back(buf, None)
+    with pytest.raises(torch.OutOfMemoryError, match="CPU memory limit"):
+        with CpuMemoryMeter(limit_bytes=1024):
+            a = torch.ones(512)  # 2 KiB: the next operation is refused
+            a + 1
+
+
+def test_the_chunked_loss_equals_the_whole_one_and_its_gradient():
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 33, 16, generator=gen, requires_grad=True)
+    weight = torch.randn(50, 16, generator=gen)
+    labels = torch.randint(0, 50, (2, 33), generator=gen)
+    whole = torch.nn.functional.cross_entropy((hidden[:, :-1] @ weight.T).reshape(-1, 50), labels[:, 1:].reshape(-1))
+    (expected,) = torch.autograd.grad(whole, hidden)
+    loss = chunked_cross_entropy(hidden, weight, labels, chunk=7)
+    (got,) = torch.autograd.grad(loss, hidden)
+    torch.testing.assert_close(loss, whole)
+    torch.testing.assert_close(got, expected)
+    with pytest.raises(ValueError, match="chunk must be a positive"):
+        chunked_cross_entropy(hidden, weight, labels, chunk=0)
+
+
+@pytest.fixture(scope="module")
+def trainee(hf):
+    from offload_examples.scenarios.long_context import LongContextConfig, _build
+
+    return _build(LongContextConfig.small(**TINY), CPU)
+
+
+def test_each_strategy_runs_and_its_adapter_gradients_equal_the_plain_ones(trainee):
+    from offload_examples.instruments.long_context import strategies as lc
+    from offload_examples.instruments.plan_costs import measure_link
+
+    costs = lc.measure_cost_model(trainee, 32, measure_link(CPU, 2**20))
+    assert len(costs.saved_bytes) == 4 and all(s > i > 0 for s, i in zip(costs.saved_bytes, costs.input_bytes))
+    host, reference = 2**30, None
+    for name in STRATEGIES:  # the gradients first: the steps below move the adapters
+        with lc.strategy_mode(trainee, name):
+            setting = lc.choose(name, 64, trainee.layers, costs, None, host, check=True)
+            grads, offloaded = lc.gradients_at(trainee, setting, 64, host)
+        reference = reference or grads
+        assert len(grads) == 2 * 7 * 4  # A and B of the 7 projections of every layer: only the adapters train
+        assert grads.keys() == reference.keys() and all(torch.equal(g, reference[k]) for k, g in grads.items()), name
+        assert (offloaded > 0) == (name in ("checkpoint + offload", "engine", "planner")), name
+    for name in STRATEGIES:
+        with lc.strategy_mode(trainee, name):
+            probe = lc.run_at(trainee, lc.choose(name, 64, trainee.layers, costs, 2**30, host), 64,
+                              limit_bytes=2**30, host_budget_bytes=host, warmup=0, steps=1)
+        assert probe.ok and probe.peak_bytes > 0 and probe.tokens_per_s > 0
+    assert "recompute" in setting.note and "offload" in setting.note  # the planner's check mixes the choices
+
+
+def test_the_run_finds_each_boundary_under_a_cpu_limit_and_writes_report_and_plot(hf, tmp_path):
+    from offload_examples.scenarios.long_context import LongContextConfig, format_report, run
+
+    plot = tmp_path / "long.png"
+    config = LongContextConfig.small(**TINY, memory_limit=2 * 2**20, plot=str(plot),
+                                     strategies=["no offload", "checkpoint", "checkpoint + offload"])
+    report = run(config, CPU, progress=None)
+    json.dumps(report)  # what --json writes
+    longest = {name: r["longest"] for name, r in report["strategies"].items()}
+    assert 0 < longest["no offload"] < longest["checkpoint"] <= longest["checkpoint + offload"] < 1024
+    for r in report["strategies"].values():
+        ran = [p["seq"] for p in r["probes"] if p["ok"]]
+        refused = [p["seq"] for p in r["probes"] if not p["ok"]]
+        assert refused and max(ran) < min(refused)  # monotone, and a refusal was caught
+        assert r["longest"] + 32 in refused  # within the resolution
+        assert r["peak_bytes"] <= 2 * 2**20 and r["tokens_per_s"] > 0
+    assert report["strategies"]["checkpoint + offload"]["host_bytes"] > 0
+    assert report["common_seq"] == longest["no offload"] and set(report["at_common"]) == set(longest)
+    assert report["grads_equal"] and report["offloaded_bytes"] > 0
+    assert plot.stat().st_size > 0
+    assert "bitwise equal" in format_report(report)
+
+
+def test_the_loop_to_copy_trains_the_adapters_only(trainee):
+    from offload_examples.scenarios.long_context import train
+
+    params = dict(trainee.model.named_parameters())
+    before = {n: p.detach().clone() for n, p in params.items()}
+    train(trainee.model, [trainee.ids(64) for _ in range(2)], loss_chunk=32)
+    moved = {n for n, p in params.items() if not torch.equal(p, before[n])}
+    assert moved and moved == {n for n, p in params.items() if p.requires_grad}
+
+
+def test_bad_input_is_a_clear_error(hf):
+    from offload_examples.scenarios.long_context import LongContextConfig
+
+    with pytest.raises(ValueError, match="unknown strategy 'fastest'"):
+        LongContextConfig.small(strategies=["fastest"])
+    with pytest.raises(ValueError, match="unknown strategy 'fastest'"):
+        choose("fastest", 64, 4, None, None, 0)
+    with pytest.raises(ValueError, match="the engine strategy needs the layers' costs"):
+        choose("engine", 64, 4, None, None, 0)
+    with pytest.raises(ValueError, match="resolution must be at least 1"):
+        LongContextConfig.small(resolution=0)
+    with pytest.raises(ValueError, match="max_seq .* must be at least one resolution"):
+        LongContextConfig.small(max_seq=16, resolution=32)
+    with pytest.raises(ValueError, match="memory_limit .* is too small: the weights alone"):
+        LongContextConfig.small(memory_limit=1000)
+    with pytest.raises(ValueError, match="must be positive"):
+        longest_sequence(_run_under(lambda s: s, 10), resolution=0, max_seq=10, limit_bytes=10)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_checkpointing_with_offload_runs_at_least_as_long_as_checkpointing(hf, cuda):
+    """The real search on CUDA, at a modest size under a 4 GiB limit: every strategy's longest sequence,
+    bitwise equal gradients, and the checkpoints' inputs in host memory buying length."""
+    from offload_examples.scenarios.long_context import LongContextConfig, run
+
+    config = LongContextConfig(layers=8, hidden=1024, heads=8, kv_heads=2, ffn=3584, vocab=32000, resolution=1024,
+                               max_seq=65536, loss_chunk=1024, memory_limit=4 * 2**30, warmup=1, steps=1)
+    report = run(config, cuda, progress=print)
+    longest = {name: r["longest"] for name, r in report["strategies"].items()}
+    assert 0 < longest["no offload"] < longest["checkpoint"] <= longest["checkpoint + offload"], longest
+    assert longest["no offload"] <= min(longest["engine"], longest["planner"]), longest
+    for r in report["strategies"].values():
+        assert r["peak_bytes"] <= 4 * 2**30
+        assert r["capped"] or r["longest"] + 1024 in [p["seq"] for p in r["probes"] if not p["ok"]]
+    assert report["grads_equal"]
