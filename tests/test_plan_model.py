@@ -243,3 +243,45 @@ def test_bad_input_says_what_is_wrong():
     with pytest.raises(ValueError, match="offloaded by another offload_layers"):
         apply_plan_to_model(Plan((KEEP,) * 3, 0, 0.0), model, Block)
     held.remove()
+
+
+class Twice(Backwards):
+    """Runs its blocks twice in one forward: each call saves its own activations."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(super().forward(x))
+
+
+def test_a_layer_run_twice_in_a_forward_or_on_another_device_is_refused_before_planning():
+    model = Twice()
+    step = lambda: model(X).square().mean().backward()  # noqa: E731
+    with pytest.raises(ValueError, match=r"ran the chosen layers \['blocks.0', 'blocks.1', 'blocks.2'\] more than once"):
+        measure_model_costs(model, Block, step, steps=1, per_choice=False)
+    # (a checkpoint's recomputation in the backward calls a layer again, and is no second call: the
+    # Llama tests with transformers' checkpointing on measure through it)
+    model = Backwards()
+    # an engine on another device than the model's sees none of its saved tensors: it would plan on nothing
+    with pytest.raises(ValueError, match="device=meta but the model's parameters are on cpu"):
+        measure_model_costs(model, Block, lambda: model(X).square().mean().backward(), steps=1, device="meta")
+    with pytest.raises(ValueError, match="device=meta but the model's parameters are on cpu"):
+        apply_plan_to_model(Plan((OFFLOAD, KEEP, KEEP), 0, 0.0), model, Block, device="meta")
+    assert all(type(b) is Block for b in model.blocks)
+
+
+def test_a_compiled_model_runs_a_plan_that_recomputes():
+    """Dynamo cannot trace the checkpoint a plan recomputes with (its context keeps the first call's
+    path): the recomputed layer runs outside the compiled graph, the rest compiled, the step whole."""
+    torch._dynamo.reset()
+    model = Backwards()
+    compiled = torch.compile(model)
+    step = lambda: compiled(X).square().mean().backward()  # noqa: E731
+    handle = apply_plan_to_model(Plan((OFFLOAD, RECOMPUTE, RECOMPUTE), 0, 0.0, modules=(None, None, "mlp")),
+                                 model, ["blocks.2", "blocks.1", "blocks.0"])
+    try:
+        eager = grads(model, lambda: model(X).square().mean().backward())
+        got = grads(model, step)
+        assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(eager, got))
+        assert handle.ctx.stats[0].offloaded_bytes > 0
+    finally:
+        handle.remove()
+        torch._dynamo.reset()

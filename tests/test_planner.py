@@ -304,6 +304,13 @@ def test_the_default_host_budget_is_a_share_of_available_memory_per_local_proces
     for bad in ({"share": 0}, {"share": 1.5}, {"processes": 0}):
         with pytest.raises(ValueError):
             planner.host_budget(**bad)
+    for local in ("abc", "2.0", "0"):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+        with pytest.raises(ValueError, match=f"LOCAL_WORLD_SIZE='{local}' is not a number of processes"):
+            planner.host_budget()
+    for bad in ("auto", 1.5, True, "1000", -1):
+        with pytest.raises(ValueError, match="Plan.host_budget_bytes must be a finite int >= 0"):
+            Plan((KEEP,), 0, 0.0, host_budget_bytes=bad)
     monkeypatch.undo()
     assert 0 < planner.host_budget() < costs_module._available_host_bytes()
     # plan()'s default: a plan on this machine is within it

@@ -103,6 +103,10 @@ def _first_tensor(output: Any) -> tuple[torch.Tensor, Callable[[torch.Tensor], A
                     "or list whose first element is the hidden state")
 
 
+# Run eagerly inside a compiled model: torch.compile traces checkpoint() only with its default
+# context_fn, and the recomputation must take the path the first call took (recompute_on_same_path).
+# Dynamo breaks the graph here and runs this layer, or submodule, as it would without compile.
+@torch.compiler.disable
 def checkpointed_call(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``function(*args, **kwargs)`` under non-reentrant checkpointing, each tensor passed once.
 

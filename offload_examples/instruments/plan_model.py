@@ -94,10 +94,14 @@ def _call_order(model: nn.Module, found: list[tuple[str, nn.Module]], step: Call
     ctx, sync = get_cpu_offload_context(enabled=True, num_layers=0, model_layers=len(found), device=device)
     order: list[int] = []
 
+    twice: set[int] = set()
+
     def called(i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple) -> None:
-            if i not in order:  # a recomputation in the backward (a checkpoint around the call) calls it again
+            if i not in order:
                 order.append(i)
+            elif torch._C._current_graph_task_id() == -1:  # not a checkpoint's recomputation in the backward
+                twice.add(i)
         return hook
 
     hooks = [layer.register_forward_pre_hook(called(i)) for i, (_, layer) in enumerate(found)]
@@ -114,6 +118,9 @@ def _call_order(model: nn.Module, found: list[tuple[str, nn.Module]], step: Call
         model.zero_grad(set_to_none=True)
     if not order:
         raise ValueError(f"step() ran none of the {len(found)} chosen layers: it must run the model's forward")
+    if twice:
+        raise ValueError(f"step() ran the chosen layers {[found[i][0] for i in sorted(twice)]} more than once in its "
+                         "forward: the planner counts what each layer saves in one call (each must run once per step)")
     missing = [name for i, (name, _) in enumerate(found) if i not in order]
     if missing:
         raise ValueError(f"step() did not run the chosen layers {missing}: each must run once per step")
@@ -164,7 +171,7 @@ def measure_model_costs(model: nn.Module, layers: LayerChoice, step: Callable[[]
         raise TypeError(f"step must be a function that runs one training step, got {type(step).__name__}")
     found = _chosen_layers(model, layers)
     _check_free(found)
-    device = _model_device(model) if device is None else resolve_device(device)
+    device = _model_device(model, device)
     found = _call_order(model, found, step, device)
     costs, base = _measure([layer for _, layer in found], _ModelSteps(model, found, step, device), steps,
                            per_choice, pool_kinds, recompute_modules)

@@ -113,11 +113,20 @@ class PlannedLayers(OffloadedLayers):
     costs: list[LayerCost] = field(default_factory=list, repr=False)
 
 
-def _model_device(model: nn.Module) -> torch.device:
-    """Where the model's first parameter (or buffer) lives: the device its activations are saved on."""
-    for t in (*model.parameters(), *model.buffers()):
-        return t.device
-    return resolve_device(None)
+def _model_device(model: nn.Module, device: torch.device | str | None = None) -> torch.device:
+    """Where the model's first parameter (or buffer) lives: the device its activations are saved on.
+
+    A ``device`` given must be that one: an engine on another device would see none of the layers'
+    saved tensors as its own, measure nothing and offload nothing, without an error.
+    """
+    where = next((t.device for t in (*model.parameters(), *model.buffers())), None)
+    if device is None:
+        return resolve_device(None) if where is None else where
+    want = resolve_device(device)
+    if where is not None and (want.type != where.type or None not in (want.index, where.index) and want.index != where.index):
+        raise ValueError(f"device={want} but the model's parameters are on {where}: the layers' activations are saved "
+                         "where the model runs (leave device=None)")
+    return want
 
 
 def apply_plan_to_model(chosen: Plan, model: nn.Module, layers: LayerChoice | list[str], *,
@@ -188,6 +197,6 @@ def apply_plan_to_model(chosen: Plan, model: nn.Module, layers: LayerChoice | li
             raise ValueError(f"the plan recomputes {module!r} in layer {i} ({found[i][0]!r}), which has no "
                              "such submodule") from None
     _check_free(found)
-    engine = _engine(chosen, len(found), _model_device(model) if device is None else device, engine_options)
+    engine = _engine(chosen, len(found), _model_device(model, device), engine_options)
     handle = PlannedLayers(engine, engine.sync, [name for name, _ in found], plan=chosen)
     return _attach(handle, found, {i: chosen.modules[i] for i in chosen.recomputed}, ordered=True)

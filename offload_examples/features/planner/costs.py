@@ -245,7 +245,11 @@ def host_budget(share: float = 0.5, processes: int | None = None) -> int:
     if not 0 < share <= 1:
         raise ValueError(f"share must be in (0, 1], got {share!r}")
     if processes is None:
-        processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        local = os.environ.get("LOCAL_WORLD_SIZE", "") or "1"
+        if not local.isdigit() or int(local) < 1:
+            raise ValueError(f"LOCAL_WORLD_SIZE={local!r} is not a number of processes (an int >= 1): "
+                             "host_budget divides the host's memory among them")
+        processes = int(local)
     if not isinstance(processes, int) or isinstance(processes, bool) or processes < 1:
         raise ValueError(f"processes must be an int >= 1, got {processes!r}")
     return int(share * _available_host_bytes()) // processes

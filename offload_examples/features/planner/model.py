@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...core.schedule import DefaultSchedule
-from .costs import KEEP, OFFLOAD, RECOMPUTE, Choice, LayerCost, LinkCost, capped_bytes
+from .costs import KEEP, OFFLOAD, RECOMPUTE, Choice, LayerCost, LinkCost, _check, capped_bytes
 
 __all__ = ["Plan", "SubsetSchedule", "offload_schedule", "plan_host_bytes", "simulate_plan"]
 
@@ -165,6 +165,8 @@ class Plan:
                                                   for p, cap in zip(parts, self.caps)):
             raise ValueError("parts must have one entry per layer, and a str only where the layer has a cap")
         object.__setattr__(self, "parts", parts)
+        if self.host_budget_bytes is not None:  # apply_plan hands it to the engine as its host limit
+            _check("Plan", "host_budget_bytes", self.host_budget_bytes, int)
 
     @property
     def offload_prefix(self) -> int | None:
