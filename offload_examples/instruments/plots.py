@@ -249,12 +249,34 @@ _STRATEGY_STYLE = {
 }
 
 
-def _model_panels(results: Mapping[str, Any], width: float = 4.6) -> tuple[Figure, list[Axes]]:
+#: Panels side by side in a figure of one panel per model: two, so that the figure stays about as
+#: wide as a page's column (880 pixels at the 110 dpi the benchmark saves at) and its text legible
+#: there; more models take more rows.
+PANELS_PER_ROW = 2
+
+
+def _model_panels(results: Mapping[str, Any], width: float = 4.0) -> tuple[Figure, list[Axes]]:
     import matplotlib.pyplot as plt
 
     models = results["models"]
-    fig, axes = plt.subplots(1, len(models), figsize=(width * len(models), 3.8), layout="constrained", squeeze=False)
-    return fig, list(axes[0])
+    cols = max(1, min(PANELS_PER_ROW, len(models)))
+    rows = max(1, -(-len(models) // cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, 3.4 * rows), layout="constrained", squeeze=False)
+    panels = list(axes.flat)
+    for ax in panels[len(models):]:
+        ax.set_visible(False)  # an odd number of models: the last row has an empty place
+    return fig, panels[:max(1, len(models))]
+
+
+def _shared_legend(fig: Figure, axes: Sequence[Axes]) -> None:
+    """One legend under the panels with every line of any panel (a strategy may miss from some)."""
+    entries: dict[str, Any] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    if entries:
+        ncols = min(len(entries), 4 if max(map(len, entries)) <= 24 else 2)  # no wider than the panels
+        fig.legend(list(entries.values()), list(entries), loc="outside lower center", ncols=ncols, fontsize=8)
 
 
 def _ok_runs(model: Mapping[str, Any], strategy: str) -> list[Mapping[str, Any]]:
@@ -286,8 +308,7 @@ def plot_bench_memory_time(results: Mapping[str, Any]) -> Figure:
         ax.set_xlabel("step time (ms, median)")
         ax.set_ylabel("peak GiB allocated")
         ax.grid(alpha=0.3)
-    if axes[0].lines:
-        axes[0].legend(fontsize=7)
+    _shared_legend(fig, axes)
     fig.suptitle("Memory vs time (numbers: layers treated)")
     return fig
 
@@ -322,7 +343,7 @@ def plot_bench_overhead(results: Mapping[str, Any]) -> Figure:
         ax.set_xlabel("layers treated (k)")
         ax.set_ylabel("step-time overhead (%)")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    _shared_legend(fig, axes)
     fig.suptitle("Overhead vs layers treated")
     return fig
 
@@ -376,7 +397,7 @@ def plot_bench_pareto(results: Mapping[str, Any]) -> Figure:
     predictions (the predicted step at the no-offload steps it ran beside), each joined to its
     measurement by a thin line. Down is less memory, left is faster.
     """
-    fig, axes = _model_panels(results, width=5.0)
+    fig, axes = _model_panels(results)
     styles = {"engine": ("offload only (engine, k layers)", "#08519c", "o"),
               "checkpoint": ("recompute only (checkpoint, k layers)", "#969696", "v"),
               "planner": ("planner (a budget per k)", "#e6550d", "D")}
@@ -403,7 +424,6 @@ def plot_bench_pareto(results: Mapping[str, Any]) -> Figure:
         ax.set_xlabel("step time (ms, median)")
         ax.set_ylabel("peak GiB allocated")
         ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize=7)
+    _shared_legend(fig, axes)
     fig.suptitle("Memory vs time: offload only, recompute only and the planner")
     return fig
