@@ -19,7 +19,10 @@
   object of a ``_modules/`` page is built from the module name the *first* documented object of
   that module was documented under (Sphinx issue 6651): once ``offload_examples.OffloadEngine``
   is documented, every other object of ``core/engine.py`` links to ``#offload_examples.<name>``,
-  an anchor that does not exist. Each link is pointed at the anchor the object has.
+  an anchor that does not exist. Each link is pointed at the anchor the object has. And the
+  list of source pages (``_modules/index.html``) names only modules that have one: viewcode also
+  lists the modules whose source it could not read (``builtins``, for a type alias such as
+  ``tuple[...]``), linking to pages it never writes.
 - **Attribute docstrings are prose.** Napoleon reads the first line of an attribute's docstring
   as ``type: description``; here those lines are sentences, so napoleon leaves attributes alone.
 - **A quiet build.** myst-parser logs its whole configuration at the info level each time a
@@ -295,6 +298,14 @@ def fix_viewcode_backlinks(app, pagename, templatename, context, doctree) -> Non
     context["body"] = _BACKLINK.sub(fix, context["body"])
 
 
+def drop_unread_modules(app) -> list:
+    """Before viewcode writes its pages: forget the modules it could not read (it would list them)."""
+    modules = getattr(app.env, "_viewcode_modules", {})
+    for modname in [name for name, entry in modules.items() if entry is False]:
+        del modules[modname]
+    return []
+
+
 # -------------------------------------------------------------------------------- stored numbers
 # Every measured number in the prose comes from a file of the repository: a JSON result or a log in
 # docs/evidence/ (the benchmark's bench.json, say), or what a notebook printed (its stored outputs).
@@ -524,6 +535,7 @@ def setup(app):
     app.connect("missing-reference", resolve_reexported)
     app.connect("autodoc-skip-member", skip_member)
     app.connect("html-page-context", fix_viewcode_backlinks)
+    app.connect("html-collect-pages", drop_unread_modules, priority=400)  # viewcode's runs at 500
     app.connect("build-finished", write_root_index)
     app.add_config_value("stored_sources", {}, "env", types=(dict,))
     app.add_role("stored", stored_role)
