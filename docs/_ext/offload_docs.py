@@ -10,8 +10,19 @@
   reference that Sphinx cannot find is imported, and resolved to the documented name of the
   *same object* (members: of the same class or one of its bases). Nothing is guessed by name.
 - **Each object on one page.** ``automodule`` skips the classes and functions the package root
-  exports (their pages document them as ``offload_examples.X``) and methods whose only docstring
-  is inherited from outside the package (``nn.Module.forward``'s).
+  exports (their pages document them as ``offload_examples.X``), the classes and functions a
+  module imports, even when its ``__all__`` lists them (they are documented where they are
+  defined; autodoc's explicit ``:members:`` lists do not help, since ``autodoc_default_options``
+  replaces them), and methods whose only docstring is inherited from outside the package
+  (``nn.Module.forward``'s).
+- **Source pages link back to the right anchor.** ``viewcode``'s ``[docs]`` link after each
+  object of a ``_modules/`` page is built from the module name the *first* documented object of
+  that module was documented under (Sphinx issue 6651): once ``offload_examples.OffloadEngine``
+  is documented, every other object of ``core/engine.py`` links to ``#offload_examples.<name>``,
+  an anchor that does not exist. Each link is pointed at the anchor the object has. And the
+  list of source pages (``_modules/index.html``) names only modules that have one: viewcode also
+  lists the modules whose source it could not read (``builtins``, for a type alias such as
+  ``tuple[...]``), linking to pages it never writes.
 - **Attribute docstrings are prose.** Napoleon reads the first line of an attribute's docstring
   as ``type: description``; here those lines are sentences, so napoleon leaves attributes alone.
 - **A quiet build.** myst-parser logs its whole configuration at the info level each time a
@@ -36,7 +47,7 @@ import json
 import logging as logging_std
 import re
 import xml.etree.ElementTree as ET
-from html import escape
+from html import escape, unescape
 from pathlib import Path
 from typing import Any
 
@@ -219,11 +230,26 @@ def _doc_from_outside(obj: Any) -> bool:
     return False
 
 
+def _documented_module(env) -> str | None:
+    """The module whose members autodoc is choosing (Sphinx 9: ``current_document``; before: ``temp_data``)."""
+    current = getattr(env, "current_document", None)
+    name = getattr(current, "autodoc_module", None)
+    return name or getattr(env, "temp_data", {}).get("autodoc:module")
+
+
+def _imported_into(obj: Any, module: str | None) -> bool:
+    """A class or function that ``module`` imports from elsewhere (listed in its ``__all__`` or not)."""
+    return bool(module) and (inspect.isclass(obj) or inspect.isfunction(obj)) \
+        and getattr(obj, "__module__", module) != module
+
+
 def skip_member(app, what, name, obj, skip, options):
     if skip:
         return None
     if what == "module" and _exported_by_root(obj):
         return True  # documented as offload_examples.<name>
+    if what == "module" and _imported_into(obj, _documented_module(app.env)):
+        return True  # documented where it is defined (or, from outside the package, not here)
     if what == "class" and _doc_from_outside(obj):
         return True
     return None
@@ -241,6 +267,49 @@ def _napoleon_without_attributes(app) -> None:
                     _napoleon(app, what, name, obj, options, lines)
 
             app.connect("autodoc-process-docstring", process, priority=listener.priority)
+
+
+# ------------------------------------------------------------------------ viewcode's back-links
+_BACKLINK = re.compile(r'(<div class="viewcode-block" id="([^"]+)">\s*<a class="viewcode-back" href=")([^"#]*)#([^"]*)(")')
+
+
+def _anchor(env, modname: str, name: str, docname: str) -> tuple[str, str] | None:
+    """``(docname, anchor)`` of the object ``name`` of module ``modname`` (preferring ``docname``)."""
+    objects = env.get_domain("py").objects
+    candidates = [f"{modname}.{name}", _canonical(env, f"{modname}.{name}")]
+    found = [objects[c] for c in candidates if c and c in objects]
+    for entry in sorted(found, key=lambda e: e.docname != docname):
+        return entry.docname, entry.node_id
+    return None
+
+
+def fix_viewcode_backlinks(app, pagename, templatename, context, doctree) -> None:
+    """Point each ``[docs]`` link of a ``_modules/`` page at the anchor its object has."""
+    if not pagename.startswith("_modules/") or "body" not in context:
+        return
+    modname = pagename.removeprefix("_modules/").replace("/", ".")
+    entry = getattr(app.env, "_viewcode_modules", {}).get(modname)
+    if not entry:
+        return
+    used = entry[2]
+
+    def fix(m: re.Match) -> str:
+        name = unescape(m.group(2))
+        found = _anchor(app.env, modname, name, used.get(name, ""))
+        if found is None:
+            return m.group(0)  # left as viewcode wrote it: the browser test reports it
+        docname, anchor = found
+        return f"{m.group(1)}{app.builder.get_relative_uri(pagename, docname)}#{escape(anchor)}{m.group(5)}"
+
+    context["body"] = _BACKLINK.sub(fix, context["body"])
+
+
+def drop_unread_modules(app) -> list:
+    """Before viewcode writes its pages: forget the modules it could not read (it would list them)."""
+    modules = getattr(app.env, "_viewcode_modules", {})
+    for modname in [name for name, entry in modules.items() if entry is False]:
+        del modules[modname]
+    return []
 
 
 # -------------------------------------------------------------------------------- stored numbers
@@ -513,6 +582,8 @@ def setup(app):
     _napoleon_without_attributes(app)
     app.connect("missing-reference", resolve_reexported)
     app.connect("autodoc-skip-member", skip_member)
+    app.connect("html-page-context", fix_viewcode_backlinks)
+    app.connect("html-collect-pages", drop_unread_modules, priority=400)  # viewcode's runs at 500
     app.connect("build-finished", write_root_index)
     app.add_config_value("stored_sources", {}, "env", types=(dict,))
     app.add_role("stored", stored_role)

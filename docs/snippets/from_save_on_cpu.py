@@ -17,8 +17,11 @@ h.sum().backward()
 before = [p.grad.clone() for p in layers.parameters()]
 layers.zero_grad()
 
-# After: one context entered per layer, a sync after each; only the first 4 layers go to the host.
-ctx, sync = get_cpu_offload_context(enabled=True, num_layers=4, model_layers=len(layers))
+# After: one context entered per layer, a sync after each; only the first 4 layers go
+# to the host.
+ctx, sync = get_cpu_offload_context(
+    enabled=True, num_layers=4, model_layers=len(layers)
+)
 h = x
 for layer in layers:
     with ctx:
@@ -27,4 +30,5 @@ for layer in layers:
 h.sum().backward()
 
 assert all(torch.equal(a, p.grad) for a, p in zip(before, layers.parameters()))
-print("same gradients; offloaded", [s.offloaded_bytes for s in ctx.stats], "bytes per layer")
+offloaded = [s.offloaded_bytes for s in ctx.stats]
+print("same gradients; offloaded", offloaded, "bytes per layer")

@@ -1,17 +1,23 @@
-# Measure each layer, choose keep/offload/recompute per layer under a memory budget, run the plan.
+# Measure each layer, choose keep/offload/recompute per layer under a memory budget,
+# run the plan.
 import torch
 
 from offload_examples.features.planner import apply_plan, plan
 from offload_examples.instruments.plan_costs import measure_costs, measure_link
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
-layers = [torch.nn.TransformerEncoderLayer(256, 4, 1024, batch_first=True, device=device) for _ in range(8)]
+layers = [
+    torch.nn.TransformerEncoderLayer(256, 4, 1024, batch_first=True, device=device)
+    for _ in range(8)
+]
 x = torch.randn(8, 128, 256, device=device, requires_grad=True)
 
-costs, base = measure_costs(layers, x)  # per layer: forward/backward ms, saved bytes, input bytes
+# per layer: forward and backward ms, saved bytes, input bytes
+costs, base = measure_costs(layers, x)
 link = measure_link(device)  # copy speed each way (pinned on a GPU)
 everything = sum(c.saved_bytes for c in costs)
-chosen = plan(costs, link, budget_bytes=base + everything // 2, base_bytes=base)  # half of the activations
+# a budget of half of the activations
+chosen = plan(costs, link, budget_bytes=base + everything // 2, base_bytes=base)
 print(chosen)
 
 ctx, sync, run_layers = apply_plan(chosen, layers, device=device)
@@ -22,4 +28,5 @@ for step in range(2):
             h = layer(h)
         h = sync(h)
     h.square().mean().backward()
-print(f"offloaded {ctx.offloaded_bytes / 2**20:.1f} MiB per step; theory's saving {ctx.theoretical().saving / 2**20:.1f} MiB")
+print(f"offloaded {ctx.offloaded_bytes / 2**20:.1f} MiB per step; "
+      f"theory's saving {ctx.theoretical().saving / 2**20:.1f} MiB")

@@ -4,17 +4,23 @@ import torch
 from offload_examples import get_cpu_offload_context
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
-layers = [torch.nn.TransformerEncoderLayer(256, 4, 1024, batch_first=True, device=device) for _ in range(6)]
+layers = [
+    torch.nn.TransformerEncoderLayer(256, 4, 1024, batch_first=True, device=device)
+    for _ in range(6)
+]
 x = torch.randn(8, 128, 256, device=device)
-optimizer = torch.optim.SGD([p for layer in layers for p in layer.parameters()], lr=1e-3)
+params = [p for layer in layers for p in layer.parameters()]
+optimizer = torch.optim.SGD(params, lr=1e-3)
 
-ctx, sync = get_cpu_offload_context(enabled=True, num_layers=2, model_layers=len(layers))
+ctx, sync = get_cpu_offload_context(
+    enabled=True, num_layers=2, model_layers=len(layers)
+)
 for step in range(3):
     h = x
     for layer in layers:
-        with ctx:  # tensors saved for backward inside are offloaded (first 2 layers)
+        with ctx:  # tensors saved for backward in here are offloaded (first 2 layers)
             h = layer(h)
-        h = sync(h)  # the backward of this layer will start the reloads scheduled for it
+        h = sync(h)  # this layer's backward will start the reloads scheduled for it
     h.square().mean().backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -14,7 +14,8 @@ Re-execute every notebook in place at full size on a GPU node (what ``make noteb
 
 Run one small on the CPU, writing its results::
 
-    python -m offload_examples.instruments.notebooks notebooks/02_basic.ipynb -p device cpu -p size small -o /tmp/out.ipynb
+    python -m offload_examples.instruments.notebooks notebooks/02_basic.ipynb \\
+        -p device cpu -p size small -o /tmp/out.ipynb
 """
 
 from __future__ import annotations

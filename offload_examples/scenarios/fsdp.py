@@ -19,11 +19,15 @@ bytes in the same order: gloo on the CPU reduces in a fixed order (the CPU tests
 equal), and one GPU reduces nothing. On several GPUs it relies on NCCL picking the same algorithm
 for the same sizes in both runs; pin it with ``NCCL_ALGO`` if a run finds otherwise. Run it::
 
-    python -m offload_examples fsdp                              # one rank per GPU, else 2 ranks on the CPU
+    # one rank per GPU, else 2 ranks on the CPU
+    python -m offload_examples fsdp
     python -m offload_examples fsdp --wrap ddp --checkpoint 2
-    python -m offload_examples fsdp --no-reshard-after-forward --cpu-params   # a GPU: FSDP's CPUOffloadPolicy too
-    python -m offload_examples fsdp --plan 0.5                   # the planner: keep, offload or recompute per layer
-    torchrun --nproc-per-node 8 -m offload_examples fsdp         # under torchrun: one rank per process
+    # on a GPU: FSDP's CPUOffloadPolicy too
+    python -m offload_examples fsdp --no-reshard-after-forward --cpu-params
+    # the planner: keep, offload or recompute per layer
+    python -m offload_examples fsdp --plan 0.5
+    # under torchrun: one rank per process
+    torchrun --nproc-per-node 8 -m offload_examples fsdp
 """
 
 from __future__ import annotations
@@ -64,10 +68,10 @@ __all__ = [
 
 
 class OffloadedStack(nn.Module):
-    """Layers run one after another, each inside the offload context (one entry per layer).
+    """Layers run one after another, each in the offload context (one entry per layer).
 
-    ``ctx`` and ``sync`` are ``get_cpu_offload_context``'s pair; the defaults do nothing, which
-    is the run without offloading.
+    ``ctx`` and ``sync`` are ``get_cpu_offload_context``'s pair; the defaults do
+    nothing, which is the run without offloading.
     """
 
     def __init__(self, layers: nn.ModuleList):
@@ -78,14 +82,20 @@ class OffloadedStack(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
-            with self.ctx:  # around the sharded layer: its all-gather and forward are one entry
+            with self.ctx:  # the sharded layer's all-gather and forward: one entry
                 x = layer(x)
             x = self.sync(x)
         return x
 
 
-def train(layers: nn.ModuleList, batches: Iterable[torch.Tensor], offload: int, lr: float = 1e-3) -> None:
-    """The loop to copy: each layer its own FSDP2 unit, what the first ``offload`` layers save on the host.
+def train(
+    layers: nn.ModuleList,
+    batches: Iterable[torch.Tensor],
+    offload: int,
+    lr: float = 1e-3,
+) -> None:
+    """The loop to copy: each layer its own FSDP2 unit, what the first ``offload``
+    layers save on the host.
 
     Every rank calls it, in an initialised process group, on its own batches.
     """
@@ -95,28 +105,36 @@ def train(layers: nn.ModuleList, batches: Iterable[torch.Tensor], offload: int, 
     for layer in layers:  # one FSDP unit per layer, then the root
         fully_shard(layer)
     fully_shard(stack)
-    stack.ctx, stack.sync = get_cpu_offload_context(enabled=True, num_layers=offload, model_layers=len(layers))
+    stack.ctx, stack.sync = get_cpu_offload_context(
+        enabled=True, num_layers=offload, model_layers=len(layers)
+    )
     optimizer = torch.optim.AdamW(stack.parameters(), lr=lr)
     for x in batches:
-        stack(x).float().square().mean().backward()  # reloads, re-all-gathers and reduce-scatters overlap
+        # reloads, re-all-gathers and reduce-scatters overlap
+        stack(x).float().square().mean().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
 
-def build_model(config: FsdpConfig, device: torch.device, chosen: Plan | None = None
-                ) -> tuple[nn.Module, OffloadedStack, OffloadEngine | None]:
-    """The model to call, the stack inside it, and the plan's engine, with weights drawn from ``config.seed``.
+def build_model(
+    config: FsdpConfig, device: torch.device, chosen: Plan | None = None
+) -> tuple[nn.Module, OffloadedStack, OffloadEngine | None]:
+    """The model to call, the stack inside it, and the plan's engine, with weights drawn
+    from ``config.seed``.
 
-    The last ``config.checkpoint`` layers, or the layers ``chosen`` recomputes, are wrapped in
-    :class:`Checkpointed` *before* ``fully_shard``, so FSDP gathers their parameters once for
-    backward and the recomputation reuses them; a plan's engine offloads the layers it chose
-    (:func:`~offload_examples.features.planner.apply_plan`). With ``wrap="fsdp"`` the model is
-    the stack itself (each layer and the root sharded); with ``"ddp"`` it is a
+    The last ``config.checkpoint`` layers, or the layers ``chosen`` recomputes, are
+    wrapped in :class:`Checkpointed` *before* ``fully_shard``, so FSDP gathers their
+    parameters once for backward and the recomputation reuses them; a plan's engine
+    offloads the layers it chose
+    (:func:`~offload_examples.features.planner.apply_plan`). With ``wrap="fsdp"`` the
+    model is the stack itself (each layer and the root sharded); with ``"ddp"`` it is a
     ``DistributedDataParallel`` around the stack.
     """
     layers, engine = build_layers(config, device), None
     if chosen is not None:
-        engine, _, wrapped = apply_plan(chosen, layers, device, retain_pinned_cpu_buffers=True)
+        engine, _, wrapped = apply_plan(
+            chosen, layers, device, retain_pinned_cpu_buffers=True
+        )
         layers = nn.ModuleList(wrapped)
     for i in range(config.layers - (config.checkpoint or 0), config.layers):
         layers[i] = Checkpointed(layers[i])
@@ -124,7 +142,8 @@ def build_model(config: FsdpConfig, device: torch.device, chosen: Plan | None = 
     if config.wrap == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        ddp = DistributedDataParallel(stack, device_ids=[device.index] if device.type == "cuda" else None)
+        device_ids = [device.index] if device.type == "cuda" else None
+        ddp = DistributedDataParallel(stack, device_ids=device_ids)
         return ddp, stack, engine
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 

@@ -8,8 +8,9 @@ parameters are from the plain optimizer's.
 
 Run it::
 
-    python -m offload_examples optimizer-offload              # full size on a GPU
-    python -m offload_examples optimizer-offload --fractions 0,0.5,1 --json results/optim.json
+    python -m offload_examples optimizer-offload  # full size on a GPU
+    python -m offload_examples optimizer-offload --fractions 0,0.5,1 \\
+        --json results/optim.json
 
 The loop to copy is :func:`train`, at the top of the module.
 """

@@ -10,7 +10,8 @@ stage's later layers run their forward and reloaded one layer ahead of its backw
 Each rank runs the same steps without and with offloading, then compares its gradients and
 peak memory. The loop to copy is :func:`train`, with the stage it runs (:class:`OffloadedStage`). Run it::
 
-    python -m offload_examples pipeline-dist                      # 2 ranks: nccl on 2 GPUs, else gloo on the CPU
+    # 2 ranks: nccl on 2 GPUs, else gloo on the CPU
+    python -m offload_examples pipeline-dist
     python -m offload_examples pipeline-dist --backend gloo --small
 """
 

@@ -26,9 +26,10 @@ and the bandwidth its copies achieved. Output: JSON, a Markdown table and plots.
 
 Run it::
 
-    python -m offload_examples bench                     # the full grid on a GPU, tiny on a CPU
+    python -m offload_examples bench  # the full grid on a GPU, tiny on a CPU
     python -m offload_examples bench --models A --ks 2 4 --out results/bench
-    python -m offload_examples bench --models A A-torch B --strategies "no offload" engine checkpoint planner
+    python -m offload_examples bench --models A A-torch B \\
+        --strategies "no offload" engine checkpoint planner
 
 A module per part: the models and what a run measures (``grid``), the strategies (``strategies``),
 how one strategy's run is measured (``protocol``), failures that leave the device unusable
