@@ -295,7 +295,7 @@ def test_a_host_budget_that_no_plan_meets_names_the_smallest_that_would():
 def test_the_default_host_budget_is_a_share_of_available_memory_per_local_process(monkeypatch):
     from offload_examples.features.planner import costs as costs_module
 
-    monkeypatch.setattr(costs_module, "_available_host_bytes", lambda: 64 * 2**30)
+    monkeypatch.setattr(costs_module, "available_host_bytes", lambda: 64 * 2**30)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert planner.host_budget() == 32 * 2**30
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # torchrun's processes of one node share its memory
@@ -312,10 +312,10 @@ def test_the_default_host_budget_is_a_share_of_available_memory_per_local_proces
         with pytest.raises(ValueError, match="Plan.host_budget_bytes must be a finite int >= 0"):
             Plan((KEEP,), 0, 0.0, host_budget_bytes=bad)
     monkeypatch.undo()
-    assert 0 < planner.host_budget() < costs_module._available_host_bytes()
+    assert 0 < planner.host_budget() < costs_module.available_host_bytes()
     # plan()'s default: a plan on this machine is within it
     costs = [LayerCost(1.0, 2.0, 100 * MB, 10 * MB) for _ in range(3)]
-    assert 0 < plan(costs, LinkCost(10.0, 10.0, 12.0), 10**12).host_budget_bytes <= costs_module._available_host_bytes()
+    assert 0 < plan(costs, LinkCost(10.0, 10.0, 12.0), 10**12).host_budget_bytes <= costs_module.available_host_bytes()
 
 
 def test_apply_plan_makes_the_host_budget_the_engines_limit():

@@ -23,6 +23,7 @@ from typing import Any, Collection, NoReturn, Sequence
 
 import torch
 
+from offload_examples.features.planner.costs import available_host_bytes
 from offload_examples.instruments.models import has_transformer_engine
 
 __all__ = [
@@ -413,16 +414,10 @@ class Need:
         return dataclasses.replace(self, ranks=ranks)
 
 
-def host_available_bytes() -> int | None:
-    """``MemAvailable`` from ``/proc/meminfo``: what can be allocated without swapping (``None`` off Linux)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+def host_available_bytes() -> int:
+    """What the host can allocate without swapping (the planner's
+    :func:`~offload_examples.features.planner.costs.available_host_bytes`)."""
+    return available_host_bytes()
 
 
 def gpu_free_bytes(device: torch.device, here: bool = True) -> int:

@@ -17,17 +17,15 @@ whether the gradients and the parameters after the optimizer (AdamW) are bitwise
 comparison is bitwise, with no tolerance, because both runs call the same collectives on the same
 bytes in the same order: gloo on the CPU reduces in a fixed order (the CPU tests find every bit
 equal), and one GPU reduces nothing. On several GPUs it relies on NCCL picking the same algorithm
-for the same sizes in both runs; pin it with ``NCCL_ALGO`` if a run finds otherwise. Run it::
+for the same sizes in both runs; pin it with ``NCCL_ALGO`` if a run finds otherwise. Run it (one
+rank per GPU, else 2 ranks on the CPU; ``--cpu-params`` adds FSDP's CPUOffloadPolicy on a GPU,
+``--plan`` lets the planner keep, offload or recompute each layer)::
 
-    # one rank per GPU, else 2 ranks on the CPU
     python -m offload_examples fsdp
     python -m offload_examples fsdp --wrap ddp --checkpoint 2
-    # on a GPU: FSDP's CPUOffloadPolicy too
     python -m offload_examples fsdp --no-reshard-after-forward --cpu-params
-    # the planner: keep, offload or recompute per layer
     python -m offload_examples fsdp --plan 0.5
-    # under torchrun: one rank per process
-    torchrun --nproc-per-node 8 -m offload_examples fsdp
+    torchrun --nproc-per-node 8 -m offload_examples fsdp  # one rank per process
 """
 
 from __future__ import annotations
@@ -88,14 +86,8 @@ class OffloadedStack(nn.Module):
         return x
 
 
-def train(
-    layers: nn.ModuleList,
-    batches: Iterable[torch.Tensor],
-    offload: int,
-    lr: float = 1e-3,
-) -> None:
-    """The loop to copy: each layer its own FSDP2 unit, what the first ``offload``
-    layers save on the host.
+def train(layers: nn.ModuleList, batches: Iterable[torch.Tensor], offload: int, lr: float = 1e-3) -> None:
+    """The loop to copy: each layer its own FSDP2 unit, what the first ``offload`` layers save on the host.
 
     Every rank calls it, in an initialised process group, on its own batches.
     """
@@ -105,13 +97,10 @@ def train(
     for layer in layers:  # one FSDP unit per layer, then the root
         fully_shard(layer)
     fully_shard(stack)
-    stack.ctx, stack.sync = get_cpu_offload_context(
-        enabled=True, num_layers=offload, model_layers=len(layers)
-    )
+    stack.ctx, stack.sync = get_cpu_offload_context(enabled=True, num_layers=offload, model_layers=len(layers))
     optimizer = torch.optim.AdamW(stack.parameters(), lr=lr)
     for x in batches:
-        # reloads, re-all-gathers and reduce-scatters overlap
-        stack(x).float().square().mean().backward()
+        stack(x).float().square().mean().backward()  # reloads, re-all-gathers and reduce-scatters overlap
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 __all__ = [
     "KEEP", "OFFLOAD", "RECOMPUTE", "TIME_FIELDS", "Choice", "LayerCost", "LinkCost", "ModuleCost", "cap_in_modules",
-    "capped_bytes", "host_budget", "partial_caps",
+    "available_host_bytes", "capped_bytes", "host_budget", "partial_caps",
 ]
 
 
@@ -238,9 +238,8 @@ def host_budget(share: float = 0.5, processes: int | None = None) -> int:
 
     Pinned pages cannot be swapped out, so a budget that takes all free memory starves the data
     loaders, the checkpoint writer and the OS, and the node fails in ways far from the cause; half of
-    what is available leaves them room. The processes of one node share its memory, so each gets its
-    part. Available memory is Linux's ``MemAvailable`` (free plus reclaimable cache), or the free pages
-    where ``/proc/meminfo`` is missing.
+    what is available leaves them room (:func:`available_host_bytes`). The processes of one node share
+    its memory, so each gets its part.
     """
     if not 0 < share <= 1:
         raise ValueError(f"share must be in (0, 1], got {share!r}")
@@ -252,10 +251,12 @@ def host_budget(share: float = 0.5, processes: int | None = None) -> int:
         processes = int(local)
     if not isinstance(processes, int) or isinstance(processes, bool) or processes < 1:
         raise ValueError(f"processes must be an int >= 1, got {processes!r}")
-    return int(share * _available_host_bytes()) // processes
+    return int(share * available_host_bytes()) // processes
 
 
-def _available_host_bytes() -> int:
+def available_host_bytes() -> int:
+    """What the host can allocate without swapping: Linux's ``MemAvailable`` (free plus reclaimable
+    cache), or the free pages where ``/proc/meminfo`` is missing."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
