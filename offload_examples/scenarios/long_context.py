@@ -13,10 +13,10 @@ confirmed by steps around the prediction; a step that runs out of memory is caug
 CPU the device memory is counted as CUDA's allocator would, and ``--memory-limit`` makes a step over
 it run out (:mod:`~offload_examples.instruments.long_context.memory`).
 
-Run it::
+Run it (the 8B shape on a GPU, with the whole GPU; or under a memory limit)::
 
-    python -m offload_examples long-context                     # the 8B shape on a GPU, the whole GPU
-    python -m offload_examples long-context --memory-limit 80GiB --max-seq 65536 --plot long.png
+    python -m offload_examples long-context
+    python -m offload_examples long-context --memory-limit 80GiB --plot long.png
 
 The loop to copy is :func:`train`, at the top of the module.
 """
