@@ -156,13 +156,10 @@ def measure_model_costs(model: nn.Module, layers: LayerChoice, step: Callable[[]
 
     Returns
     -------
-    costs : list[LayerCost]
-        One cost per layer, as ``measure_costs`` returns them, in the order the model calls the
-        layers: the order a plan's choices take.
-    base : int
-        The base bytes, as ``measure_costs`` returns them.
-    names : list[str]
-        The layers' qualified names in that order (give them to
+    tuple
+        ``(costs, base, names)``: one cost per layer and the base bytes, as ``measure_costs``
+        returns them, and the layers' qualified names, all in the order the model calls the layers,
+        the order a plan's choices take (give the names to
         :func:`~offload_examples.features.planner.apply_plan_to_model`).
 
     Raises
