@@ -55,7 +55,7 @@ def _fresh_dynamo_for_te(request):
     yield
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def te():
     """``transformer_engine.pytorch``. Without Transformer Engine a test using it is skipped, unless
     ``OFFLOAD_EXAMPLES_REQUIRE_TE=1`` (set it on a node where TE belongs to the stack): then it fails."""
