@@ -12,13 +12,13 @@
 - ``planner``: :func:`~offload_examples.features.planner.plan` given the memory limit and the pinned
   host budget chooses keep, offload or recompute for each layer, at each length.
 
-The last two need each layer's costs. The planner's
-:func:`~offload_examples.instruments.plan_costs.measure_costs` measures layers that a loop calls as
-``h = layer(h)``; a Hugging Face model calls its layers itself, with more arguments. Until it measures
-them, :class:`CostModel` is the adapter: one step of the model at one length, through an engine that
-offloads nothing and counts what each layer saves, and its time split evenly over the layers; bytes
-and times are scaled in proportion to the length (memory-efficient attention saves bytes in
-proportion to it; times grow faster, which only makes copies easier to hide than predicted).
+The last two need each layer's costs at every length the search tries. :class:`CostModel` gives them
+from one step of the model at one length, through an engine that offloads nothing and counts what each
+layer saves, with the step's time split evenly over the layers; bytes and times are scaled in
+proportion to the length (memory-efficient attention saves bytes in proportion to it; times grow
+faster, which only makes copies easier to hide than predicted). The planner's own
+:func:`~offload_examples.instruments.plan_model.measure_model_costs` measures each layer and each
+choice far more closely, at one length and many steps' cost.
 """
 
 from __future__ import annotations
