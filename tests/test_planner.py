@@ -25,7 +25,10 @@ from offload_examples.features.planner import (
     TIME_FIELDS,
     KEEP,
     OFFLOAD,
+    OFFLOADED,
     RECOMPUTE,
+    RECOMPUTE_OFFLOAD,
+    RECOMPUTED,
     Checkpointed,
     Choice,
     LayerCost,
@@ -77,12 +80,13 @@ def split(data, total: int, unit: int) -> tuple[int, ...]:
 
 def every_plan(costs, prefix_only: bool):
     """``(choices, modules)`` of every plan: a recomputed layer whole or any of its submodules."""
-    per_layer = [[(KEEP, None), (OFFLOAD, None), (RECOMPUTE, None)]
+    per_layer = [[(KEEP, None), (OFFLOAD, None), (RECOMPUTE, None), (RECOMPUTE_OFFLOAD, None)]
                  + [(RECOMPUTE, m.module) for m in c.recompute_modules] for c in costs]
     for picked in itertools.product(*per_layer):
         ch = tuple(c for c, _ in picked)
-        k = ch.count(OFFLOAD)
-        if ch[-1] is not OFFLOAD and (not prefix_only or all(c is OFFLOAD for c in ch[:k])):
+        k = sum(c in OFFLOADED for c in ch)
+        # prefix_only: the first k layers, all OFFLOAD or all RECOMPUTE_OFFLOAD
+        if ch[-1] not in OFFLOADED and (not prefix_only or ch[:k] in ((OFFLOAD,) * k, (RECOMPUTE_OFFLOAD,) * k)):
             yield ch, tuple(m for _, m in picked)
 
 
@@ -174,7 +178,7 @@ def test_search_states_predict_what_the_simulation_does(data):
         for last in (None, *(planner.partial_caps(costs[k - 1]) if k else ())):
             for alpha, peak, changes, choices, (caps, modules) in _prefix_front(costs, link, k, math.inf, last):
                 assert simulate_plan(choices, costs, link, caps=caps, modules=modules) == (peak, alpha)
-                assert choices[:k] == (OFFLOAD,) * k and changes == sum(c is not KEEP for c in choices)
+                assert choices[:k] == (OFFLOAD,) * k and changes[0] == sum(c is not KEEP for c in choices)
                 assert caps == tuple(last if i == k - 1 else None for i in range(len(costs)))
 
 
@@ -350,7 +354,7 @@ def test_serialisation_round_trips_and_prints_a_row_per_layer(data):
     got = plan(costs, link, budget, base)
     back = Plan.from_dict(json.loads(json.dumps(got.to_dict())))
     assert back == got and all(isinstance(c, Choice) for c in back.choices)
-    rows = re.findall(r"^\s*(\d+)\s+(keep|offload|recompute)( up to [0-9.]+ (?:MiB|bytes)| m\d)?$", str(got),
+    rows = re.findall(r"^\s*(\d+)\s+(keep|offload|recompute\+offload|recompute)( up to [0-9.]+ (?:MiB|bytes)| m\d)?$", str(got),
                       flags=re.MULTILINE)
     assert rows == [(str(i), c.value, "" if cap is None and module is None else f" {module}" if module is not None
                      else f" up to {cap / 2**20:.2f} MiB" if cap >= 2**20 else f" up to {cap} bytes")
@@ -404,7 +408,7 @@ def test_rejects_bad_input():
         simulate_plan([KEEP, OFFLOAD], costs, link)
     with pytest.raises(ValueError, match="non-empty"):
         plan([], link, 10)
-    with pytest.raises(ValueError, match="3\\^N"):
+    with pytest.raises(ValueError, match="4\\^N"):
         plan(costs * 6, link, 10, prefix_only=False)
 
 
@@ -418,7 +422,7 @@ def test_an_applied_plan_runs_bitwise_and_offloads_exactly_its_layers():
     from offload_examples.instruments.models import build_linear_stack
 
     n = 6
-    choices = (OFFLOAD, RECOMPUTE, OFFLOAD, KEEP, RECOMPUTE, KEEP)
+    choices = (OFFLOAD, RECOMPUTE, OFFLOAD, KEEP, RECOMPUTE_OFFLOAD, KEEP)
     chosen = Plan(choices, predicted_peak_bytes=0, predicted_step_ms=0.0)
     model = build_linear_stack(n, 32)
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
@@ -426,7 +430,7 @@ def test_an_applied_plan_runs_bitwise_and_offloads_exactly_its_layers():
     model.zero_grad(set_to_none=True)
     x.grad = None
     ctx, sync, layers = apply_plan(chosen, list(model), device="cpu")
-    assert [isinstance(layer, Checkpointed) for layer in layers] == [c is RECOMPUTE for c in choices]
+    assert [isinstance(layer, Checkpointed) for layer in layers] == [c in RECOMPUTED for c in choices]
     _check_plan_steps(choices, model, x, reference, (ctx, sync, layers), steps=2)
     with pytest.raises(ValueError, match="6 choices but there are 5 layers"):
         apply_plan(chosen, list(model)[:5], device="cpu")
@@ -697,8 +701,8 @@ def test_apply_plan_on_a_bare_cuda_device_offloads():
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.lists(st.sampled_from([KEEP, OFFLOAD, RECOMPUTE]), min_size=4, max_size=4), st.sampled_from([KEEP, RECOMPUTE]),
-       st.booleans())
+@given(st.lists(st.sampled_from([KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_OFFLOAD]), min_size=4, max_size=4),
+       st.sampled_from([KEEP, RECOMPUTE]), st.booleans())
 def test_any_applied_plan_runs_bitwise_with_the_schedules_resident_bytes(first, last, retain):
     """Every plan shape (offloaded layers anywhere but last, recomputed ones between them), on transformer
     layers (views, attention): three steps, each bitwise equal to a plain step, with the engine's resident
@@ -726,7 +730,13 @@ def _check_plan_steps(choices, model, x, reference, applied, steps):
         x.grad = None
         got = snapshot(model, x, training_step(layers, x, ctx, sync))
         assert compare_grads(reference, got).equal, choices
-        assert [s.offloaded_bytes > 0 for s in ctx.stats] == [c is OFFLOAD for c in choices]
+        # a checkpointed layer in the engine's context hands it what the checkpoint keeps: its input, no more
+        # (layer 0's input is x, a leaf that requires grad: held anyway, so kept)
+        hidden = x.numel() * x.element_size()
+        assert [s.offloaded_bytes == hidden for s, c in zip(ctx.stats, choices) if c is RECOMPUTE_OFFLOAD] == [
+            i > 0 for i, c in enumerate(choices) if c is RECOMPUTE_OFFLOAD], [s.offloaded_bytes for s in ctx.stats]
+        assert [s.offloaded_bytes > 0 for s in ctx.stats] == [
+            c is OFFLOAD or (c is RECOMPUTE_OFFLOAD and i > 0) for i, c in enumerate(choices)]
         assert all(g == w for _, _, g, w in resident_vs_theory(ctx)), choices
         assert ctx.live_views == 0
 
@@ -744,8 +754,12 @@ def test_a_byte_cap_tops_up_the_saving_where_a_whole_layer_would_stall():
     assert got.predicted_step_ms == keep_ms and got.predicted_peak_bytes == keep_peak - 2 * mb
     assert planner.capped_bytes(layer, 2 * mb) == 2 * mb and planner.capped_bytes(layer, 5 * mb) == 2 * mb
     assert planner.partial_caps(layer) == (2 * mb,)
-    whole = plan(costs, link, keep_peak - 2 * mb, partial=False)  # whole layers only: recompute one
-    assert whole.choices == (RECOMPUTE, KEEP, KEEP) and whole.predicted_step_ms == keep_ms + 1.0
+    # whole layers only: recompute one, its input offloaded (the same time as keeping it, 1 MB lower)
+    whole = plan(costs, link, keep_peak - 2 * mb, partial=False)
+    assert whole.choices == (RECOMPUTE_OFFLOAD, KEEP, KEEP) and whole.predicted_step_ms == keep_ms + 1.0
+    assert whole.predicted_peak_bytes == keep_peak - 8 * mb and whole.host_bytes == mb
+    kept_input = plan(costs, link, keep_peak - 2 * mb, partial=False, host_budget_bytes=0)  # no host memory
+    assert kept_input.choices == (RECOMPUTE, KEEP, KEEP) and kept_input.predicted_peak_bytes == keep_peak - 7 * mb
     assert "offload up to 1.91 MiB 0, keep 1-2" == got.summary()
     assert Plan.from_dict(json.loads(json.dumps(got.to_dict()))) == got
 

@@ -81,6 +81,7 @@ class LongContextConfig(Timing, ScenarioConfig):
     host_budget: int | None = None  # pinned host bytes; None: host_budget(), half of what is available
     strategies: list[str] = field(default_factory=lambda: list(lc.STRATEGIES))
     plot: str | None = None  # where to write the plot (PNG), if anywhere
+    progress_json: str | None = None  # where to write the report so far after each strategy, if anywhere
 
     SMALL = dict(layers=8, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, dtype="float32", lora_rank=4,
                  loss_chunk=64, resolution=32, max_seq=2048, memory_limit=4 * 2**20, warmup=0, steps=1)
@@ -98,6 +99,7 @@ class LongContextConfig(Timing, ScenarioConfig):
         if not self.strategies or len(set(self.strategies)) != len(self.strategies):
             raise ValueError(f"strategies must name one or more strategies, each once, got {self.strategies}")
         self.plot = None if self.plot is None else str(self.plot)
+        self.progress_json = None if self.progress_json is None else str(self.progress_json)
         for name in ("memory_limit", "host_budget"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive number of bytes, got {getattr(self, name)}")
@@ -186,7 +188,11 @@ def _run(config: LongContextConfig, device: torch.device, say: Callable[[str], N
     grads, offloaded = _check_grads(trainee, config, costs, host)
     say("gradients bitwise equal to no offloading's: " + ", ".join(f"{n} {g['equal']}" for n, g in grads.items()))
     results: dict[str, Any] = {}
+    report = {**report_header("long-context", device, config), "memory_limit_bytes": None, "host_budget_bytes": host,
+              "strategies": results, "common_seq": 0, "grads": grads, "at_common": {}, "checkpoint_seq": 0,
+              "at_checkpoint": {}, "grads_equal": all(g["equal"] for g in grads.values()), "offloaded_bytes": offloaded}
     with device_memory_limit(device, config.memory_limit) as limit:
+        report["memory_limit_bytes"] = limit
         for name in config.strategies:
             found = _search(trainee, config, name, costs, limit, host, say)
             best = found.best
@@ -194,14 +200,15 @@ def _run(config: LongContextConfig, device: torch.device, say: Callable[[str], N
                              "peak_bytes": best and best.peak_bytes, "host_bytes": best and best.host_bytes,
                              "tokens_per_s": best and best.tokens_per_s, "setting": best.note if best else "",
                              "probes": [dataclasses.asdict(p) for p in found.probes]}
-        common = min((r["longest"] for r in results.values() if r["longest"]), default=0)
+            _save_progress(config, report)  # a search cut short keeps what it found
+        common = report["common_seq"] = min((r["longest"] for r in results.values() if r["longest"]), default=0)
         say(f"every strategy at {common} tokens, the longest all of them ran:")
-        at_common = {name: _search(trainee, config, name, costs, limit, host, say, only=common).best
-                     for name, r in results.items() if common and r["longest"]}
-    report = {**report_header("long-context", device, config), "memory_limit_bytes": limit, "host_budget_bytes": host,
-              "strategies": results, "common_seq": common, "grads": grads,
-              "at_common": {name: p and dataclasses.asdict(p) for name, p in at_common.items()},
-              "grads_equal": all(g["equal"] for g in grads.values()), "offloaded_bytes": offloaded}
+        report["at_common"] = {name: _as_dict(_search(trainee, config, name, costs, limit, host, say, only=common).best)
+                               for name, r in results.items() if common and r["longest"]}
+        _save_progress(config, report)
+        report["checkpoint_seq"], report["at_checkpoint"] = _at_checkpoints_longest(trainee, config, costs, limit,
+                                                                                    host, results, say)
+        _save_progress(config, report)
     if config.plot:
         from offload_examples.instruments.plots import plot_longest_sequence
 
@@ -211,18 +218,51 @@ def _run(config: LongContextConfig, device: torch.device, say: Callable[[str], N
     return report
 
 
+def _as_dict(probe: Probe | None) -> dict[str, Any] | None:
+    return probe and dataclasses.asdict(probe)
+
+
+def _at_checkpoints_longest(trainee: lc.Trainee, config: LongContextConfig, costs: lc.CostModel | None,
+                            limit: int | None, host: int, results: dict[str, Any],
+                            say: Callable[[str], None]) -> tuple[int, dict[str, Any]]:
+    """``(checkpointing's longest length, {strategy: its probe there})`` for the strategies that ran at
+    least as long: what the longer sequences cost in speed where checkpointing still runs."""
+    seq = (results.get("checkpoint") or {}).get("longest") or 0
+    longer = [n for n, r in results.items() if n != "checkpoint" and seq and r["longest"] >= seq]
+    if not longer:
+        return seq, {}
+    say(f"at {seq} tokens, the longest checkpointing ran:")
+    best = next(p for p in reversed(results["checkpoint"]["probes"]) if p["ok"] and p["seq"] == seq)
+    return seq, {"checkpoint": best, **{n: _as_dict(_search(trainee, config, n, costs, limit, host, say, only=seq).best)
+                                        for n in longer}}
+
+
+def _save_progress(config: LongContextConfig, report: dict[str, Any]) -> None:
+    if config.progress_json:
+        import json
+        from pathlib import Path
+
+        Path(config.progress_json).write_text(json.dumps(report, indent=1))
+
+
 def format_report(report: dict[str, Any]) -> str:
-    """One row per strategy: the longest sequence, its memory and speed, and the speed at the common length."""
-    c, common = report["config"], report["common_seq"]
+    """One row per strategy: the longest sequence, its memory and speed, and the speed at the length every
+    strategy ran and at checkpointing's longest."""
+    c, common, ckpt = report["config"], report["common_seq"], report.get("checkpoint_seq") or 0
     rows = []
+
+    def speed(probe: dict[str, Any] | None) -> str:
+        return f"{probe['tokens_per_s']:,.0f}" if probe and probe.get("tokens_per_s") else "-"
+
     for name, r in report["strategies"].items():
-        at = (report["at_common"].get(name) or {}).get("tokens_per_s")
         rows.append((name, f"{r['longest']:,}" + (" (the cap)" if r["capped"] else ""), format_bytes(r["peak_bytes"]),
                      format_bytes(r["host_bytes"]) if r["host_bytes"] else "-",
-                     f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-", f"{at:,.0f}" if at else "-",
+                     f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-", speed(report["at_common"].get(name)),
+                     *([speed(report["at_checkpoint"].get(name))] if report.get("at_checkpoint") else []),
                      "bitwise equal" if report["grads"][name]["equal"] else "DIFFER", r["setting"]))
     header = ("strategy", "longest sequence", "peak device memory", "pinned host", "tokens/s",
-              f"tokens/s at {common:,}", "gradients", "what ran at the longest")
+              f"tokens/s at {common:,}", *([f"tokens/s at {ckpt:,}"] if report.get("at_checkpoint") else []),
+              "gradients", "what ran at the longest")
     limit = format_bytes(report["memory_limit_bytes"]) if report["memory_limit_bytes"] else "none"
     return "\n".join([
         f"{report['device']} (torch {report['torch']}): Llama shape {c['layers']} x {c['hidden']} (ffn {c['ffn']}, "
@@ -246,5 +286,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                             help="pinned host memory the offloading may hold (default: half of what is available)")
         parser.add_argument("--plot", type=json_path_arg, metavar="PATH",
                             help="also draw tokens/s against sequence length into PATH (PNG; default: no plot)")
+        parser.add_argument("--progress-json", type=json_path_arg, metavar="PATH",
+                            help="write the report so far into PATH after each strategy, so that a search cut "
+                                 "short keeps what it found (default: nowhere)")
 
     return scenario_main("long-context", __doc__, LongContextConfig, run, format_report, argv, extra=options)

@@ -20,6 +20,11 @@ The step modelled is :class:`~offload_examples.core.schedule.DefaultSchedule`'s:
   (:meth:`DefaultSchedule.predict_step_ms`). Its forward and backward take
   ``LayerCost.offloaded_forward_ms`` and ``offloaded_backward_ms`` where they were measured. The last
   layer is never offloaded.
+- ``RECOMPUTE_OFFLOAD``: RECOMPUTE whose input waits in pinned host memory: the layer is checkpointed
+  inside the engine's context, so the engine copies out what the checkpoint keeps (``input_bytes``)
+  and the layer holds nothing on the device from its release to its reload; its backward re-runs
+  the forward and holds ``saved_bytes`` on top of the reloaded input while it runs. This is how the
+  longest sequences train: checkpointing alone keeps every layer's input on the device.
 - ``OFFLOAD`` with a byte cap (``Plan.caps``), for the last offloaded layer only: the engine copies the
   storages it saves first, each while it fits under the cap (``max_offload_bytes_per_layer``), and the
   rest stay on the device as when kept. The sizes come from ``LayerCost.storage_bytes``; a cap tops up
@@ -50,15 +55,15 @@ from __future__ import annotations
 
 from .apply import Checkpointed, PlannedLayers, apply_plan, apply_plan_to_model
 from .costs import (
-    KEEP, OFFLOAD, RECOMPUTE, TIME_FIELDS, Choice, LayerCost, LinkCost, ModuleCost, cap_in_modules, capped_bytes,
-    host_budget, partial_caps,
+    KEEP, OFFLOAD, OFFLOADED, RECOMPUTE, RECOMPUTE_OFFLOAD, RECOMPUTED, TIME_FIELDS, Choice, LayerCost, LinkCost,
+    ModuleCost, cap_in_modules, capped_bytes, host_budget, partial_caps,
 )
-from .model import Plan, SubsetSchedule, offload_schedule, plan_host_bytes, simulate_plan
+from .model import Plan, SubsetSchedule, copied_bytes, offload_schedule, plan_host_bytes, simulate_plan
 from .search import EXHAUSTIVE_MAX_LAYERS, pareto, plan
 
 __all__ = [
-    "KEEP", "OFFLOAD", "RECOMPUTE", "Checkpointed", "Choice", "LayerCost", "LinkCost", "ModuleCost", "Plan",
+    "KEEP", "OFFLOAD", "OFFLOADED", "RECOMPUTE", "RECOMPUTED", "RECOMPUTE_OFFLOAD", "Checkpointed", "Choice", "LayerCost", "LinkCost", "ModuleCost", "Plan",
     "PlannedLayers", "SubsetSchedule",
-    "apply_plan", "apply_plan_to_model", "cap_in_modules", "capped_bytes", "host_budget", "offload_schedule", "pareto",
+    "apply_plan", "apply_plan_to_model", "cap_in_modules", "capped_bytes", "copied_bytes", "host_budget", "offload_schedule", "pareto",
     "partial_caps", "plan", "plan_host_bytes", "simulate_plan",
 ]

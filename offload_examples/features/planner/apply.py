@@ -18,7 +18,7 @@ from ...core.engine import OffloadEngine
 from ...core.streams import resolve_device
 from ..apply import (LayerChoice, OffloadedLayers, _attach, _check_free, _chosen_layers, checkpointed_call,
                      checkpointed_module)
-from .costs import OFFLOAD, RECOMPUTE, LayerCost
+from .costs import RECOMPUTED, LayerCost
 from .model import Plan, offload_schedule
 
 __all__ = ["Checkpointed", "PlannedLayers", "apply_plan", "apply_plan_to_model"]
@@ -81,7 +81,8 @@ def apply_plan(chosen: Plan, layers: Sequence[nn.Module], device: torch.device |
     length, or when both the plan and ``engine_options`` cap bytes.
     """
     engine = _engine(chosen, len(layers), device, engine_options)
-    run = [Checkpointed(layer, module) if c is RECOMPUTE else layer
+    # a RECOMPUTE_OFFLOAD layer is checkpointed inside the engine's context: the engine offloads what the checkpoint keeps
+    run = [Checkpointed(layer, module) if c in RECOMPUTED else layer
            for layer, c, module in zip(layers, chosen.choices, chosen.modules)]
     return engine, engine.sync, run
 
@@ -97,7 +98,7 @@ def _engine(chosen: Plan, n: int, device: torch.device | str | None, engine_opti
     if chosen.host_budget_bytes is not None:
         # the engine refuses to pin more than the plan was allowed, instead of exhausting the node's memory
         engine_options.setdefault("host_memory_limit", chosen.host_budget_bytes)
-    offloaded = [i for i, c in enumerate(chosen.choices) if c is OFFLOAD]
+    offloaded = list(chosen.offloaded)
     # a plan that offloads nothing must not hook every layer in every step, as a probe does
     engine_options.setdefault("count_every_layer", False)
     return OffloadEngine(offload_schedule(offloaded, n), device=resolve_device(device), **engine_options)

@@ -17,24 +17,31 @@ from enum import Enum
 from typing import Any
 
 __all__ = [
-    "KEEP", "OFFLOAD", "RECOMPUTE", "TIME_FIELDS", "Choice", "LayerCost", "LinkCost", "ModuleCost", "cap_in_modules",
+    "KEEP", "OFFLOAD", "RECOMPUTE", "RECOMPUTE_OFFLOAD", "TIME_FIELDS", "Choice", "LayerCost", "LinkCost", "ModuleCost", "cap_in_modules",
     "available_host_bytes", "capped_bytes", "host_budget", "partial_caps",
 ]
 
 
 class Choice(str, Enum):
-    """What a plan does with one layer's saved activations: keep them, offload them or recompute them."""
+    """What a plan does with one layer's saved activations: keep them, offload them, recompute them, or
+    recompute them from an input that waits in host memory (``RECOMPUTE_OFFLOAD``: the layer is
+    checkpointed and the engine offloads what the checkpoint keeps)."""
 
     KEEP = "keep"
     OFFLOAD = "offload"
     RECOMPUTE = "recompute"
+    RECOMPUTE_OFFLOAD = "recompute+offload"
 
     def __str__(self) -> str:
         return self.value
 
 
-#: The three choices under shorter names.
-KEEP, OFFLOAD, RECOMPUTE = Choice.KEEP, Choice.OFFLOAD, Choice.RECOMPUTE
+#: The choices under shorter names.
+KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_OFFLOAD = Choice.KEEP, Choice.OFFLOAD, Choice.RECOMPUTE, Choice.RECOMPUTE_OFFLOAD
+#: The choices whose layer the engine offloads (its saved tensors, or the checkpoint's input).
+OFFLOADED = (OFFLOAD, RECOMPUTE_OFFLOAD)
+#: The choices whose layer runs its forward again in the backward.
+RECOMPUTED = (RECOMPUTE, RECOMPUTE_OFFLOAD)
 
 
 def _check(cls: str, name: str, value: Any, kind: type) -> None:
@@ -160,7 +167,7 @@ class LayerCost:
         if choice is OFFLOAD:
             return (self.forward_ms if self.offloaded_forward_ms is None else self.offloaded_forward_ms,
                     self.backward_ms if self.offloaded_backward_ms is None else self.offloaded_backward_ms)
-        if choice is RECOMPUTE:
+        if choice in RECOMPUTED:  # RECOMPUTE_OFFLOAD's copies are the input's: the schedule times them
             return self.forward_ms, self.backward_ms + self.recompute_terms(module)[2]
         return self.forward_ms, self.backward_ms
 

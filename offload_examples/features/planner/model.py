@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...core.schedule import DefaultSchedule
-from .costs import KEEP, OFFLOAD, RECOMPUTE, Choice, LayerCost, LinkCost, _check, capped_bytes
+from .costs import (KEEP, OFFLOAD, OFFLOADED, RECOMPUTE, RECOMPUTE_OFFLOAD, RECOMPUTED, Choice, LayerCost, LinkCost,
+                    _check, capped_bytes)
 
 __all__ = ["Plan", "SubsetSchedule", "offload_schedule", "plan_host_bytes", "simulate_plan"]
 
@@ -65,15 +66,16 @@ def simulate_plan(choices: Sequence[Choice | str], costs: Sequence[LayerCost], l
     n = len(costs)
     if len(choices) != n or n == 0:
         raise ValueError(f"need one choice per layer ({n} layers, at least 1), got {len(choices)}")
-    if choices[-1] is OFFLOAD:
+    if choices[-1] in OFFLOADED:
         raise ValueError("the last layer cannot be offloaded: its backward runs first")
     caps = _checked_caps(caps, choices)
     modules = _checked_modules(modules, choices)
-    sched = offload_schedule([i for i, c in enumerate(choices) if c is OFFLOAD], n)
-    off = [capped_bytes(c, cap) if ch is OFFLOAD else 0 for c, ch, cap in zip(costs, choices, caps)]
-    # a recomputed layer holds its kept bytes from its forward on, and its module's (or whole) saved bytes again in its backward
-    terms = [c.recompute_terms(m) if ch is RECOMPUTE else None for c, ch, m in zip(costs, choices, modules)]
-    kept = [{KEEP: c.saved_bytes, OFFLOAD: c.saved_bytes - o}[ch] if t is None else t[0]
+    sched = offload_schedule([i for i, c in enumerate(choices) if c in OFFLOADED], n)
+    off = [copied_bytes(c, ch, cap) for c, ch, cap in zip(costs, choices, caps)]
+    # a recomputed layer holds its kept bytes from its forward on (RECOMPUTE_OFFLOAD: none once its input
+    # is copied out), and its module's (or whole) saved bytes again in its backward
+    terms = [c.recompute_terms(m) if ch in RECOMPUTED else None for c, ch, m in zip(costs, choices, modules)]
+    kept = [{KEEP: c.saved_bytes, OFFLOAD: c.saved_bytes - o}[ch] if t is None else t[0] - o
             for c, ch, o, t in zip(costs, choices, off, terms)]
     points = sched.simulate(off, kept).points
     peak = max(total + (terms[j][1] if phase == "backward" and terms[j] is not None else 0)
@@ -85,7 +87,8 @@ def simulate_plan(choices: Sequence[Choice | str], costs: Sequence[LayerCost], l
 
 def plan_host_bytes(choices: Sequence[Choice | str], costs: Sequence[LayerCost],
                     caps: Sequence[int | None] | None = None) -> int:
-    """The pinned host bytes a plan holds: what its offloaded layers copy out (a capped layer's share).
+    """The pinned host bytes a plan holds: what its offloaded layers copy out (a capped layer's share,
+    a RECOMPUTE_OFFLOAD layer's input).
 
     Every offloaded layer is out at once: the copies of all of them have left by the end of the
     forward, and the first reload starts in the backward. The engine's pool lends buffers of exactly
@@ -94,7 +97,15 @@ def plan_host_bytes(choices: Sequence[Choice | str], costs: Sequence[LayerCost],
     """
     choices = tuple(Choice(c) for c in choices)
     caps = _checked_caps(caps, choices)
-    return sum(capped_bytes(c, cap) for c, ch, cap in zip(costs, choices, caps) if ch is OFFLOAD)
+    return sum(copied_bytes(c, ch, cap) for c, ch, cap in zip(costs, choices, caps))
+
+
+def copied_bytes(cost: LayerCost, choice: Choice, cap: int | None = None) -> int:
+    """The bytes the engine copies out of a layer under ``choice``: what it saves (under ``cap``) for
+    OFFLOAD, the checkpoint's input for RECOMPUTE_OFFLOAD, nothing otherwise."""
+    if choice is OFFLOAD:
+        return capped_bytes(cost, cap)
+    return cost.input_bytes if choice is RECOMPUTE_OFFLOAD else 0
 
 
 def _per_layer(values: Sequence[Any] | None, choices: tuple[Choice, ...], field: str, entry: str, must_be: str,
@@ -171,13 +182,18 @@ class Plan:
     @property
     def offload_prefix(self) -> int | None:
         """``k`` when exactly the first ``k`` layers are offloaded (``num_layers`` for the engine), else None."""
-        k = self.choices.count(OFFLOAD)
-        return k if all(c is OFFLOAD for c in self.choices[:k]) else None
+        k = sum(c in OFFLOADED for c in self.choices)
+        return k if all(c in OFFLOADED for c in self.choices[:k]) else None
+
+    @property
+    def offloaded(self) -> tuple[int, ...]:
+        """The layers the engine offloads (OFFLOAD and RECOMPUTE_OFFLOAD)."""
+        return tuple(i for i, c in enumerate(self.choices) if c in OFFLOADED)
 
     @property
     def recomputed(self) -> tuple[int, ...]:
-        """The layers recomputed, whole or one submodule of them."""
-        return tuple(i for i, c in enumerate(self.choices) if c is RECOMPUTE)
+        """The layers recomputed, whole or one submodule of them (RECOMPUTE and RECOMPUTE_OFFLOAD)."""
+        return tuple(i for i, c in enumerate(self.choices) if c in RECOMPUTED)
 
     @property
     def recomputed_modules(self) -> dict[int, str]:
@@ -222,7 +238,7 @@ class Plan:
                 runs[-1].append(i)
             else:
                 runs.append([i])
-        order = [OFFLOAD.value, RECOMPUTE.value, KEEP.value]  # capped offloads right after the whole ones
+        order = [RECOMPUTE_OFFLOAD.value, OFFLOAD.value, RECOMPUTE.value, KEEP.value]  # capped offloads after whole ones
         named = sorted(groups, key=lambda d: (order.index(d.split()[0]), d != d.split()[0]))
         return ", ".join(f"{d} " + " ".join(f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in groups[d])
                          for d in named)

@@ -9,16 +9,16 @@ from collections.abc import Sequence
 
 from ...core.schedule import DefaultSchedule
 from .costs import (
-    KEEP, OFFLOAD, RECOMPUTE, Choice, LayerCost, LinkCost, _check, cap_in_modules, capped_bytes, host_budget,
-    partial_caps,
+    KEEP, OFFLOAD, OFFLOADED, RECOMPUTE, RECOMPUTE_OFFLOAD, Choice, LayerCost, LinkCost, _check, cap_in_modules,
+    host_budget, partial_caps,
 )
-from .model import Plan, plan_host_bytes, simulate_plan
+from .model import Plan, copied_bytes, plan_host_bytes, simulate_plan
 
 __all__ = ["EXHAUSTIVE_MAX_LAYERS", "pareto", "plan"]
 
 
-#: ``prefix_only=False`` tries all ``3^N`` plans; beyond this many layers it refuses.
-EXHAUSTIVE_MAX_LAYERS = 10
+#: ``prefix_only=False`` tries all ``4^N`` plans; beyond this many layers it refuses.
+EXHAUSTIVE_MAX_LAYERS = 8
 
 
 #: Step times are compared rounded to this many decimals of a ms, so rounding noise makes no tie.
@@ -57,21 +57,25 @@ def _options(cost: LayerCost) -> list[tuple[Choice, str | None, int, int, float]
 
 
 def _prefix_front(costs: Sequence[LayerCost], link: LinkCost, k: int, cap: float,
-                  last_cap: int | None = None) -> list[tuple]:
-    """``(step_ms, peak_saved_bytes, changes, choices, (caps, modules))`` of the non-dominated plans with the
-    first ``k`` layers offloaded (layer ``k - 1`` under the byte cap ``last_cap``, if given), the others
-    kept or recomputed (whole or one submodule: :func:`_options`), and at most ``cap`` bytes resident."""
+                  last_cap: int | None = None, variant: Choice = OFFLOAD) -> list[tuple]:
+    """``(step_ms, peak_saved_bytes, (changes, host bytes), choices, (caps, modules))`` of the non-dominated plans with the
+    first ``k`` layers offloaded, all as ``variant`` (OFFLOAD, layer ``k - 1`` under the byte cap
+    ``last_cap`` if given; or RECOMPUTE_OFFLOAD), the others kept or recomputed (whole or one submodule:
+    :func:`_options`), and at most ``cap`` bytes resident."""
     n = len(costs)
     sched = DefaultSchedule(k, n)
     caps = tuple(last_cap if i == k - 1 else None for i in range(n))
-    off = [capped_bytes(c, caps[i]) if i < k else 0 for i, c in enumerate(costs)]
-    left = [c.saved_bytes - o if i < k else 0 for i, (c, o) in enumerate(zip(costs, off))]  # what a cap keeps
+    off = [copied_bytes(c, variant, caps[i]) if i < k else 0 for i, c in enumerate(costs)]
+    # what a cap keeps; a RECOMPUTE_OFFLOAD layer keeps nothing, and holds what it saves again in its backward
+    left = [c.saved_bytes - o if i < k and variant is OFFLOAD else 0 for i, (c, o) in enumerate(zip(costs, off))]
+    again = [c.saved_bytes if i < k and variant is RECOMPUTE_OFFLOAD else 0 for i, c in enumerate(costs)]
     points = sched.simulate(off, left).points
-    fixed = max((total for _, j, _, total in points if j < k), default=0)  # no other layer is held there
+    # no other layer is held at the phases of layers 0 .. k-1
+    fixed = max((total + (again[j] if phase == "backward" else 0) for phase, j, _, total in points if j < k), default=0)
     resident = {(phase, j): total for phase, j, _, total in points}  # layers 0 .. k-1's bytes on the device
     if fixed > cap:
         return []
-    fwd, bwd = zip(*(c.phase_ms(OFFLOAD if i < k else KEEP) for i, c in enumerate(costs)))
+    fwd, bwd = zip(*(c.phase_ms(variant if i < k else KEEP) for i, c in enumerate(costs)))
 
     def step_ms(lengthen: int | None = None, by: float = 0.0) -> float:
         b = [x + (by if i == lengthen else 0.0) for i, x in enumerate(bwd)]
@@ -98,8 +102,16 @@ def _prefix_front(costs: Sequence[LayerCost], link: LinkCost, k: int, cap: float
             states = _nondominated(new, 3)
         else:  # what the layers hold matters no more after the last one: equals go to fewer changes
             states = [(a, p, h, r, ch) for a, p, r, h, ch in _nondominated([(a, p, r, h, ch) for a, p, h, r, ch in new], 3)]
-    return [(alpha, peak, k + nrec, (OFFLOAD,) * k + tuple(c for c, _ in ch), (caps, (None,) * k + tuple(m for _, m in ch)))
+    host = sum(off)  # ties to fewer changes, less pinned host memory, fewer layers offloaded: as in _front
+    return [(alpha, peak, (k + nrec, host, k), (variant,) * k + tuple(c for c, _ in ch), (caps, (None,) * k + tuple(m for _, m in ch)))
             for alpha, peak, _, nrec, ch in states]
+
+
+def _prefixes(costs: Sequence[LayerCost], k: int, partial: bool) -> list[tuple[Choice, int | None]]:
+    """``(variant, cap on layer k - 1)`` of the offloaded prefixes of ``k`` layers the search tries: all
+    OFFLOAD under each of :func:`_caps_to_try`, and (``k > 0``) all RECOMPUTE_OFFLOAD."""
+    whole = [(OFFLOAD, cap) for cap in _caps_to_try(costs, k - 1 if k else None, partial)]
+    return whole + ([(RECOMPUTE_OFFLOAD, None)] if k else [])
 
 
 def _caps_to_try(costs: Sequence[LayerCost], last: int | None, partial: bool) -> tuple[int | None, ...]:
@@ -118,10 +130,11 @@ def _last_caps(costs: Sequence[LayerCost], choices: tuple[Choice, ...], partial:
 
 def _every_plan(costs: Sequence[LayerCost], partial: bool):
     """``(choices, caps, modules)`` of every plan: any set of offloaded layers, every recompute option."""
-    per_layer = [[(OFFLOAD, None)] + [(c, m) for c, m, *_ in _options(cost)] for cost in costs]
+    per_layer = [[(OFFLOAD, None), (RECOMPUTE_OFFLOAD, None)] + [(c, m) for c, m, *_ in _options(cost)]
+                 for cost in costs]
     for picked in itertools.product(*per_layer):
         ch, modules = tuple(c for c, _ in picked), tuple(m for _, m in picked)
-        if ch[-1] is not OFFLOAD:
+        if ch[-1] not in OFFLOADED:
             for caps in _last_caps(costs, ch, partial):
                 yield ch, caps, modules
 
@@ -133,29 +146,31 @@ def _front(costs: Sequence[LayerCost], link: LinkCost, base_bytes: int, cap: flo
     n = len(costs)
     if prefix_only:
         # the host bytes depend only on k and the last layer's cap: a prefix over the host budget is not searched
-        found = [f for k in range(n) for last in _caps_to_try(costs, k - 1 if k else None, partial)
-                 if _prefix_host_bytes(costs, k, last) <= host_cap
-                 for f in _prefix_front(costs, link, k, cap - base_bytes, last)]
+        found = [f for k in range(n) for variant, last in _prefixes(costs, k, partial)
+                 if _prefix_host_bytes(costs, k, last, variant) <= host_cap
+                 for f in _prefix_front(costs, link, k, cap - base_bytes, last, variant)]
         found = [(f[3], *f[4]) for f in _nondominated(found, 2)]  # then re-simulated: the numbers reported
     elif n > EXHAUSTIVE_MAX_LAYERS:
-        raise ValueError(f"prefix_only=False tries all 3^N plans: N={n} > {EXHAUSTIVE_MAX_LAYERS} layers is "
+        raise ValueError(f"prefix_only=False tries all 4^N plans: N={n} > {EXHAUSTIVE_MAX_LAYERS} layers is "
                          "too many (and the engine offloads only the first k layers)")
-    elif math.prod(3 + len(c.recompute_modules) for c in costs) > 3 ** EXHAUSTIVE_MAX_LAYERS:
+    elif math.prod(4 + len(c.recompute_modules) for c in costs) > 4 ** EXHAUSTIVE_MAX_LAYERS:
         raise ValueError(f"prefix_only=False tries every plan: with the submodules that may be recomputed there are "
-                         f"more than 3^{EXHAUSTIVE_MAX_LAYERS} of them")
+                         f"more than 4^{EXHAUSTIVE_MAX_LAYERS} of them")
     else:
         found = _every_plan(costs, partial)
     out = []
     for ch, caps, modules in found:
         peak, ms = simulate_plan(ch, costs, link, base_bytes, caps, modules)
         if peak <= cap and plan_host_bytes(ch, costs, caps) <= host_cap:
-            out.append((round(ms, _DECIMALS), peak, sum(c is not KEEP for c in ch), ms, (ch, caps, modules)))
+            # ties: fewer changes, less host memory, fewer layers offloaded (RECOMPUTE before RECOMPUTE_OFFLOAD)
+            changes = (sum(c is not KEEP for c in ch), plan_host_bytes(ch, costs, caps), sum(c in OFFLOADED for c in ch))
+            out.append((round(ms, _DECIMALS), peak, changes, ms, (ch, caps, modules)))
     return _nondominated(out, 2)
 
 
-def _prefix_host_bytes(costs: Sequence[LayerCost], k: int, last_cap: int | None) -> int:
-    """The pinned host bytes of offloading the first ``k`` layers, the last of them under ``last_cap``."""
-    return sum(capped_bytes(c, last_cap if i == k - 1 else None) for i, c in enumerate(costs[:k]))
+def _prefix_host_bytes(costs: Sequence[LayerCost], k: int, last_cap: int | None, variant: Choice = OFFLOAD) -> int:
+    """The pinned host bytes of offloading the first ``k`` layers as ``variant``, the last under ``last_cap``."""
+    return sum(copied_bytes(c, variant, last_cap if i == k - 1 else None) for i, c in enumerate(costs[:k]))
 
 
 def _host_cap(host_budget_bytes: int | str | None) -> tuple[float, int | None]:
@@ -209,13 +224,14 @@ def plan(costs: Sequence[LayerCost], link: LinkCost, budget_bytes: int, base_byt
     ``why`` names the smallest host budget that would do.
 
     Step times are compared rounded to ``10**-_DECIMALS`` ms. Ties go to the lower peak, then to fewer
-    layers changed from KEEP (a RECOMPUTE that buys neither time nor peak is undone), so a budget no
-    plan beats on time and peak gives every layer KEEP. No plan fitting gives
+    layers changed from KEEP (a RECOMPUTE that buys neither time nor peak is undone), then to less
+    pinned host memory, so a budget no plan beats on time and peak gives every layer KEEP. No plan fitting gives
     ``feasible=False``, the lowest-peak plan, and ``why``.
 
     Algorithm (``prefix_only=True``, the sets the engine runs): for each ``k`` in ``0 .. N-1`` the
-    first ``k`` layers are offloaded and a dynamic program walks layers ``k .. N-1`` in forward
-    order choosing KEEP or RECOMPUTE. Two facts make the walk exact:
+    first ``k`` layers are offloaded, all as OFFLOAD or all as RECOMPUTE_OFFLOAD (a prefix that mixes
+    the two is not tried), and a dynamic program walks layers ``k .. N-1`` in forward order choosing
+    KEEP or RECOMPUTE. Two facts make the walk exact:
 
     - Memory. At every phase the resident bytes are those of the offloaded layers (fixed by ``k``:
       ``DefaultSchedule.simulate``) plus ``held``, what layers ``k .. j`` hold (+ a recomputed
@@ -236,8 +252,9 @@ def plan(costs: Sequence[LayerCost], link: LinkCost, budget_bytes: int, base_byt
     identical layers (N = 96: 2.4 s), 176 for 48 layers of two kinds, 3,600 for 64 layers of random
     costs (9 s).
 
-    ``prefix_only=False`` allows any set of offloaded layers (:class:`SubsetSchedule`, which
-    :func:`apply_plan` runs) and tries every plan: exact, for up to :data:`EXHAUSTIVE_MAX_LAYERS` layers.
+    ``prefix_only=False`` allows any set of offloaded layers, each OFFLOAD or RECOMPUTE_OFFLOAD
+    (:class:`SubsetSchedule`, which :func:`apply_plan` runs) and tries every plan: exact, for up to
+    :data:`EXHAUSTIVE_MAX_LAYERS` layers.
 
     With ``partial`` (the default) the last offloaded layer may also offload only its first
     storages (a byte cap from :func:`partial_caps`; layers whose ``storage_bytes`` are unknown are

@@ -34,7 +34,7 @@ from torch import nn
 
 from offload_examples.core.errors import OffloadWarning
 from offload_examples.features.apply import OffloadedLayers, offload_layers
-from offload_examples.features.planner import (KEEP, OFFLOAD, RECOMPUTE, LayerCost, LinkCost, plan, plan_host_bytes,
+from offload_examples.features.planner import (KEEP, OFFLOAD, RECOMPUTED, LayerCost, LinkCost, plan, plan_host_bytes,
                                                 simulate_plan)
 from offload_examples.instruments.measure import deterministic_kernels
 from offload_examples.instruments.long_context.memory import held_bytes, step_memory
@@ -101,8 +101,8 @@ class CostModel:
 
     ``saved_bytes`` and ``input_bytes``: per layer, what its forward saves and its input (what a checkpoint
     keeps); ``layer_ms``: one layer's forward time; ``static_bytes``: weights and optimizer state;
-    ``other_bytes``: the rest of the step's peak (the loss, the backward's temporaries), which grows with
-    the length.
+    ``other_bytes``: the part of the rest of the step's peak (the backward's temporaries) that grows with
+    the length, and ``other_fixed_bytes`` the part that does not (a chunk of the loss's logits).
     """
 
     seq: int
@@ -112,18 +112,31 @@ class CostModel:
     static_bytes: int
     other_bytes: int
     link: LinkCost
+    other_fixed_bytes: int = 0
 
     def at(self, seq: int) -> tuple[list[LayerCost], int]:
         """``(one LayerCost per layer, base bytes)`` at ``seq`` tokens, for :func:`plan`."""
         f = seq / self.seq
         costs = [LayerCost(self.layer_ms * f, 2 * self.layer_ms * f, round(s * f), round(i * f))
                  for s, i in zip(self.saved_bytes, self.input_bytes)]
-        return costs, self.static_bytes + round(self.other_bytes * f)
+        return costs, self.static_bytes + self.other_fixed_bytes + round(self.other_bytes * f)
 
 
 def measure_cost_model(trainee: Trainee, seq: int, link: LinkCost) -> CostModel:
-    """Measure a :class:`CostModel` with one step at ``seq`` tokens (after one to warm up), nothing
-    checkpointed: the engine's probe counts each layer's saved bytes, the step its peak and time."""
+    """Measure a :class:`CostModel` with one step at ``seq`` tokens and one at ``2 seq`` (each after one
+    to warm up), nothing checkpointed: the engine's probe counts each layer's saved bytes, the steps
+    their peaks and time; the two peaks split the rest into a part that grows with the length and one
+    that does not."""
+    (ms, saved, other, static), (_, _, other_2, _) = (_measure_step(trainee, n) for n in (seq, 2 * seq))
+    width = trainee.model.get_base_model().config.hidden_size
+    element = next(p for p in trainee.model.parameters() if p.is_floating_point()).element_size()
+    inputs = (trainee.batch * seq * width * element,) * trainee.layers
+    grows = max(other_2 - other, 0)  # per seq tokens
+    return CostModel(seq, saved, inputs, ms / 3 / trainee.layers, static, grows, link, max(other - grows, 0))
+
+
+def _measure_step(trainee: Trainee, seq: int) -> tuple[float, tuple[int, ...], int, int]:
+    """``(step ms, saved bytes per layer, the rest of the peak, static bytes)`` of a step at ``seq`` tokens."""
     ids = trainee.ids(seq)
     handle = offload_layers(trainee.model, trainee.layer_cls, num_layers=0, device=trainee.device)
     try:
@@ -140,11 +153,7 @@ def measure_cost_model(trainee: Trainee, seq: int, link: LinkCost) -> CostModel:
         handle.remove()
     if trainee.device.type == "cuda":
         static = torch.cuda.memory_allocated(trainee.device)
-    width = trainee.model.get_base_model().config.hidden_size
-    element = next(p for p in trainee.model.parameters() if p.is_floating_point()).element_size()
-    inputs = (trainee.batch * seq * width * element,) * trainee.layers
-    other = max(mem["peak_bytes"] - static - sum(saved), 0)
-    return CostModel(seq, saved, inputs, ms / 3 / trainee.layers, static, other, link)
+    return ms, saved, max(mem["peak_bytes"] - static - sum(saved), 0), static
 
 
 @dataclass(frozen=True)
@@ -195,7 +204,7 @@ def choose(strategy: str, seq: int, layers: int, costs: CostModel | None, limit_
     chosen = plan(layer_costs, costs.link, budget, base, host_budget_bytes=host_budget_bytes)
     if chosen.offload_prefix is None:
         raise AssertionError("the planner offloads a prefix of the layers (prefix_only)")
-    return Setting(strategy, tuple(c is RECOMPUTE for c in chosen.choices), chosen.offload_prefix,
+    return Setting(strategy, tuple(c in RECOMPUTED for c in chosen.choices), chosen.offload_prefix,
                    tuple(chosen.capped.items()), chosen.summary() + ("" if chosen.feasible else " (predicted over)"),
                    chosen.feasible)
 
