@@ -172,15 +172,16 @@ def device_memory_limit(device: torch.device, limit_bytes: int | None) -> Iterat
     if device.type != "cuda":
         yield limit_bytes
         return
-    total = torch.cuda.get_device_properties(device).total_memory
+    index = device.index if device.index is not None else torch.cuda.current_device()  # the setter needs one
+    total = torch.cuda.get_device_properties(index).total_memory
     if limit_bytes is None or limit_bytes >= total:
         yield total
         return
-    torch.cuda.set_per_process_memory_fraction(limit_bytes / total, device)
+    torch.cuda.set_per_process_memory_fraction(limit_bytes / total, index)
     try:
         yield limit_bytes
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.set_per_process_memory_fraction(1.0, index)
 
 
 @contextlib.contextmanager
