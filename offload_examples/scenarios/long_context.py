@@ -35,8 +35,8 @@ from offload_examples.features.planner import host_budget
 from offload_examples.instruments.cli import Need, bytes_arg, dtype_bytes, json_path_arg
 from offload_examples.instruments.long_context import model as lc_model
 from offload_examples.instruments.long_context import strategies as lc
-from offload_examples.instruments.long_context.memory import device_memory_limit, single_thread_on_cpu
-from offload_examples.instruments.long_context.search import Probe, SearchResult, longest_sequence
+from offload_examples.instruments.long_context.memory import OutOfMemoryError, device_memory_limit, single_thread_on_cpu
+from offload_examples.instruments.long_context.search import Probe, SearchResult, free_memory, longest_sequence
 from offload_examples.instruments.models import enable_activation_checkpointing
 from offload_examples.instruments.plan_costs import measure_link
 from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table, report_header
@@ -153,16 +153,46 @@ def _check_grads(trainee: lc.Trainee, config: LongContextConfig, costs: lc.CostM
 
 def _search(trainee: lc.Trainee, config: LongContextConfig, name: str, costs: lc.CostModel | None, limit: int | None,
             host: int, say: Callable[[str], None], only: int | None = None) -> SearchResult:
-    """The longest sequence of strategy ``name`` (with ``only``: one probe at ``only`` tokens)."""
+    """The longest sequence of strategy ``name`` (with ``only``: one probe at ``only`` tokens).
+
+    The engine's ``k`` and the planner's plans come from the cost model, whose peaks may fall short of
+    what a step measures (the allocator's rounding and fragmentation, temporaries it does not see).
+    Each step that peaks above its prediction, or runs out of memory although predicted to fit, raises
+    ``error``, the largest shortfall seen (a ratio), and later settings are chosen under the limit
+    divided by ``1 + error``: the search learns how far to trust the model.
+    """
+    error = 0.0
+
+    def budget() -> int | None:
+        return None if limit is None else int(limit / (1 + error))
+
     def probe(seq: int) -> Probe:
-        setting = lc.choose(name, seq, trainee.layers, costs, limit, host)
-        return lc.run_at(trainee, setting, seq, limit_bytes=limit, host_budget_bytes=host, warmup=config.warmup,
-                         steps=config.steps)
+        nonlocal error
+        tried = []
+        while True:
+            setting = lc.choose(name, seq, trainee.layers, costs, budget(), host)
+            if setting in tried:  # the raised error changes nothing at this length: it does not fit
+                raise OutOfMemoryError(f"{tried[-1].note}: out of memory, and no setting predicted to fit better")
+            tried.append(setting)
+            predicted = setting.predicted_peak_bytes
+            try:
+                ran = lc.run_at(trainee, setting, seq, limit_bytes=limit, host_budget_bytes=host,
+                                warmup=config.warmup, steps=config.steps)
+            except OutOfMemoryError:
+                if not (predicted and limit and setting.fits):
+                    raise
+                # it needed more than the limit: the model fell short by more; try what it now chooses
+                error = max(error, limit / predicted - 1)
+                free_memory()
+                continue
+            if predicted and ran.peak_bytes:
+                error = max(error, ran.peak_bytes / predicted - 1)
+            return ran
 
     predict = None
     if name in ("engine", "planner") and only is None:  # the cost model, not a fit: their setting changes with length
-        expected = lc.predicted_longest(name, costs, trainee.layers, limit, host, config.resolution, config.max_seq)
-        predict = lambda _: expected  # noqa: E731
+        predict = lambda _: lc.predicted_longest(name, costs, trainee.layers, budget(), host,  # noqa: E731
+                                                 config.resolution, config.max_seq)
     with lc.strategy_mode(trainee, name):
         return longest_sequence(probe, resolution=only or config.resolution, max_seq=only or config.max_seq,
                                 limit_bytes=limit, predict=predict, progress=say, label=name)

@@ -51,7 +51,7 @@ def build_lora_llama(layers: int, hidden: int, heads: int, kv_heads: int, ffn: i
                      dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", rank: int = 16,
                      max_seq: int = 131072, seed: int = 0) -> nn.Module:
     """A ``LlamaForCausalLM`` of these sizes with random weights, its base frozen, LoRA adapters of rank
-    ``rank`` on :data:`LORA_TARGETS`; attention through PyTorch's SDPA.
+    ``rank`` on :data:`LORA_TARGETS` in the model's dtype; attention through PyTorch's SDPA.
 
     The adapters' ``B`` matrices start random, not zero as in peft's default: with ``B = 0`` every
     ``A`` gets a zero gradient in the first step, and the gradient checks would compare zeros.
@@ -79,7 +79,9 @@ def build_lora_llama(layers: int, hidden: int, heads: int, kv_heads: int, ffn: i
                       init_lora_weights=False)
     with warnings.catch_warnings():  # peft asks for the attribute under its old name; transformers 5 warns
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-        return get_peft_model(model, lora).train()
+        # adapters in the model's dtype: peft's float32 adapters would save a float32 copy of every projection's
+        # input for the backward, about as much again as the layer saves in bfloat16
+        return get_peft_model(model, lora, autocast_adapter_dtype=False).train()
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

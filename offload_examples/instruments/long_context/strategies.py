@@ -123,16 +123,25 @@ class CostModel:
 
 
 def measure_cost_model(trainee: Trainee, seq: int, link: LinkCost) -> CostModel:
-    """Measure a :class:`CostModel` with one step at ``seq`` tokens and one at ``2 seq`` (each after one
-    to warm up), nothing checkpointed: the engine's probe counts each layer's saved bytes, the steps
-    their peaks and time; the two peaks split the rest into a part that grows with the length and one
-    that does not."""
-    (ms, saved, other, static), (_, _, other_2, _) = (_measure_step(trainee, n) for n in (seq, 2 * seq))
+    """Measure a :class:`CostModel`: each layer's saved bytes and time from a step at ``seq`` tokens with
+    nothing checkpointed (the engine's probe counts them), and the rest of the peak from two steps with
+    every layer checkpointed, at ``4 seq`` and ``8 seq`` tokens (each step after one to warm up).
+
+    The checkpointed steps are what long sequences run (they fit where keeping everything does not), and
+    at a few thousand tokens the rest of the peak is no longer dominated by what does not grow (a chunk
+    of the loss's logits): a line through the two gives the part that grows and the part that does not.
+    """
+    ms, saved, _, static = _measure_step(trainee, seq)
     width = trainee.model.get_base_model().config.hidden_size
     element = next(p for p in trainee.model.parameters() if p.is_floating_point()).element_size()
     inputs = (trainee.batch * seq * width * element,) * trainee.layers
-    grows = max(other_2 - other, 0)  # per seq tokens
-    return CostModel(seq, saved, inputs, ms / 3 / trainee.layers, static, grows, link, max(other - grows, 0))
+    lengths, rest = (4 * seq, 8 * seq), []
+    with strategy_mode(trainee, "checkpoint"):
+        for n in lengths:  # what a checkpointed step holds beyond the inputs and one layer's recomputation
+            rest.append(_measure_step(trainee, n)[2] - max(saved) * n // seq)
+    per_token = max((rest[1] - rest[0]) / (lengths[1] - lengths[0]), 0.0)
+    fixed = max(round(rest[0] - per_token * lengths[0]), 0)
+    return CostModel(seq, saved, inputs, ms / 3 / trainee.layers, static, round(per_token * seq), link, fixed)
 
 
 def _measure_step(trainee: Trainee, seq: int) -> tuple[float, tuple[int, ...], int, int]:
@@ -167,6 +176,7 @@ class Setting:
     caps: tuple[tuple[int, int], ...] = ()
     note: str = ""
     fits: bool = True  # the cost model predicts it within the limit (engine and planner)
+    predicted_peak_bytes: int | None = None  # what the cost model predicts (engine and planner)
 
 
 def choose(strategy: str, seq: int, layers: int, costs: CostModel | None, limit_bytes: int | None,
@@ -194,8 +204,9 @@ def choose(strategy: str, seq: int, layers: int, costs: CostModel | None, limit_
     budget = _NO_LIMIT if limit_bytes is None else limit_bytes
     if strategy == "engine":
         k, fits = (layers - 1, True) if check else _best_k(layer_costs, costs.link, base, budget, host_budget_bytes)
+        peak = simulate_plan((OFFLOAD,) * k + (KEEP,) * (layers - k), layer_costs, costs.link, base)[0]
         return Setting(strategy, none, k, note=f"k = {k} of {layers}" + ("" if fits else " (predicted over)"),
-                       fits=fits)
+                       fits=fits, predicted_peak_bytes=peak)
     if check:  # one layer's worth of host memory, and a budget only recomputation meets
         host_budget_bytes = min(host_budget_bytes, layer_costs[0].saved_bytes)
         keep_peak = simulate_plan((KEEP,) * layers, layer_costs, costs.link, base)[0]
@@ -206,7 +217,7 @@ def choose(strategy: str, seq: int, layers: int, costs: CostModel | None, limit_
         raise AssertionError("the planner offloads a prefix of the layers (prefix_only)")
     return Setting(strategy, tuple(c in RECOMPUTED for c in chosen.choices), chosen.offload_prefix,
                    tuple(chosen.capped.items()), chosen.summary() + ("" if chosen.feasible else " (predicted over)"),
-                   chosen.feasible)
+                   chosen.feasible, chosen.predicted_peak_bytes)
 
 
 def _best_k(costs: list[LayerCost], link: LinkCost, base: int, budget: int, host_budget: int) -> tuple[int, bool]:
