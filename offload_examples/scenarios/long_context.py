@@ -35,7 +35,8 @@ from offload_examples.features.planner import host_budget
 from offload_examples.instruments.cli import Need, bytes_arg, dtype_bytes, json_path_arg
 from offload_examples.instruments.long_context import model as lc_model
 from offload_examples.instruments.long_context import strategies as lc
-from offload_examples.instruments.long_context.memory import OutOfMemoryError, device_memory_limit, single_thread_on_cpu
+from offload_examples.instruments.long_context.memory import (OutOfMemoryError, device_memory_limit,
+                                                           expandable_segments, single_thread_on_cpu)
 from offload_examples.instruments.long_context.search import Probe, SearchResult, free_memory, longest_sequence
 from offload_examples.instruments.models import enable_activation_checkpointing
 from offload_examples.instruments.plan_costs import measure_link
@@ -159,7 +160,10 @@ def _search(trainee: lc.Trainee, config: LongContextConfig, name: str, costs: lc
     what a step measures (the allocator's rounding and fragmentation, temporaries it does not see).
     Each step that peaks above its prediction, or runs out of memory although predicted to fit, raises
     ``error``, the largest shortfall seen (a ratio), and later settings are chosen under the limit
-    divided by ``1 + error``: the search learns how far to trust the model.
+    divided by ``1 + error``: the search learns how far to trust the model. A length whose setting
+    runs out of memory is tried again with the setting the raised error chooses, then with the one of
+    the lowest predicted peak, and last with the one that holds least
+    (:func:`~offload_examples.instruments.long_context.strategies.least_memory`).
     """
     error = 0.0
 
@@ -171,7 +175,11 @@ def _search(trainee: lc.Trainee, config: LongContextConfig, name: str, costs: lc
         tried = []
         while True:
             setting = lc.choose(name, seq, trainee.layers, costs, budget(), host)
-            if setting in tried:  # the raised error changes nothing at this length: it does not fit
+            for fallback in (lambda: lc.choose(name, seq, trainee.layers, costs, 0, host),  # the lowest predicted peak
+                             lambda: lc.least_memory(name, trainee.layers, costs, seq, host)):
+                if setting in tried:  # the raised error changes nothing
+                    setting = fallback()
+            if setting in tried:
                 raise OutOfMemoryError(f"{tried[-1].note}: out of memory, and no setting predicted to fit better")
             tried.append(setting)
             predicted = setting.predicted_peak_bytes
@@ -179,12 +187,10 @@ def _search(trainee: lc.Trainee, config: LongContextConfig, name: str, costs: lc
                 ran = lc.run_at(trainee, setting, seq, limit_bytes=limit, host_budget_bytes=host,
                                 warmup=config.warmup, steps=config.steps)
             except OutOfMemoryError:
-                if not (predicted and limit and setting.fits):
-                    raise
-                # it needed more than the limit: the model fell short by more; try what it now chooses
-                error = max(error, limit / predicted - 1)
+                if predicted and limit and setting.fits:  # it needed more than the limit: the model fell short by more
+                    error = max(error, limit / predicted - 1)
                 free_memory()
-                continue
+                continue  # what the model now chooses, or a fallback
             if predicted and ran.peak_bytes:
                 error = max(error, ran.peak_bytes / predicted - 1)
             return ran
@@ -221,7 +227,7 @@ def _run(config: LongContextConfig, device: torch.device, say: Callable[[str], N
     report = {**report_header("long-context", device, config), "memory_limit_bytes": None, "host_budget_bytes": host,
               "strategies": results, "common_seq": 0, "grads": grads, "at_common": {}, "checkpoint_seq": 0,
               "at_checkpoint": {}, "grads_equal": all(g["equal"] for g in grads.values()), "offloaded_bytes": offloaded}
-    with device_memory_limit(device, config.memory_limit) as limit:
+    with device_memory_limit(device, config.memory_limit) as limit, expandable_segments(device):
         report["memory_limit_bytes"] = limit
         for name in config.strategies:
             found = _search(trainee, config, name, costs, limit, host, say)

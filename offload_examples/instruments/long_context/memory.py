@@ -25,8 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from offload_examples.core.host_pool import HostBufferPool
 
-__all__ = ["CpuMemoryMeter", "OutOfMemoryError", "device_memory_limit", "held_bytes", "single_thread_on_cpu",
-           "step_memory"]
+__all__ = ["CpuMemoryMeter", "OutOfMemoryError", "device_memory_limit", "expandable_segments", "held_bytes",
+           "single_thread_on_cpu", "step_memory"]
 
 #: What running out of device memory raises: ``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError``
 #: before torch 2.5, the same class since).
@@ -182,6 +182,23 @@ def device_memory_limit(device: torch.device, limit_bytes: int | None) -> Iterat
         yield limit_bytes
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, index)
+
+
+@contextlib.contextmanager
+def expandable_segments(device: torch.device) -> Iterator[None]:
+    """On a GPU, let CUDA's caching allocator grow its segments in place inside the block
+    (``expandable_segments``): long sequences allocate large blocks of sizes that change with the
+    length, and with fixed segments the memory reserved runs gigabytes ahead of the memory allocated,
+    so a step runs out under a memory limit long before its tensors fill it."""
+    settings = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if device.type != "cuda" or settings is None:
+        yield
+        return
+    settings("expandable_segments:True")
+    try:
+        yield
+    finally:
+        settings("expandable_segments:False")
 
 
 @contextlib.contextmanager

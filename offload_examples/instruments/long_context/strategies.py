@@ -34,7 +34,7 @@ from torch import nn
 
 from offload_examples.core.errors import OffloadWarning
 from offload_examples.features.apply import OffloadedLayers, offload_layers
-from offload_examples.features.planner import (KEEP, OFFLOAD, RECOMPUTED, LayerCost, LinkCost, plan, plan_host_bytes,
+from offload_examples.features.planner import (KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_OFFLOAD, RECOMPUTED, LayerCost, Plan, LinkCost, plan, plan_host_bytes,
                                                 simulate_plan)
 from offload_examples.instruments.measure import deterministic_kernels
 from offload_examples.instruments.long_context.memory import held_bytes, step_memory
@@ -42,7 +42,7 @@ from offload_examples.instruments.long_context.model import decoder_layers, lora
 from offload_examples.instruments.long_context.search import Probe
 from offload_examples.instruments.models import enable_activation_checkpointing
 
-__all__ = ["STRATEGIES", "CostModel", "Setting", "Trainee", "choose", "gradients_at", "measure_cost_model",
+__all__ = ["STRATEGIES", "CostModel", "Setting", "Trainee", "choose", "gradients_at", "least_memory", "measure_cost_model",
            "predicted_longest", "run_at", "strategy_mode"]
 
 #: The strategies, in the order the scenario runs them.
@@ -218,6 +218,28 @@ def choose(strategy: str, seq: int, layers: int, costs: CostModel | None, limit_
     return Setting(strategy, tuple(c in RECOMPUTED for c in chosen.choices), chosen.offload_prefix,
                    tuple(chosen.capped.items()), chosen.summary() + ("" if chosen.feasible else " (predicted over)"),
                    chosen.feasible, chosen.predicted_peak_bytes)
+
+
+def least_memory(strategy: str, layers: int, costs: CostModel, seq: int, host_budget_bytes: int) -> Setting:
+    """The setting of ``strategy`` that holds least on the device, whatever the cost model predicts.
+
+    For the planner: every layer recomputed, the inputs of all but the last offloaded (RECOMPUTE_OFFLOAD),
+    where the host budget holds them. The cost model counts the loss's memory once for the whole step,
+    so it sees no difference between keeping the last layer and recomputing it, while on the device a
+    kept last layer holds its activations through the loss; this plan is what the planner falls back
+    to when the plans of lowest predicted peak do not fit. For the engine: :func:`choose` at no budget.
+    """
+    if strategy != "planner":
+        return choose(strategy, seq, layers, costs, 0, host_budget_bytes)
+    layer_costs, base = costs.at(seq)
+    k = layers - 1
+    while k and plan_host_bytes((RECOMPUTE_OFFLOAD,) * k + (RECOMPUTE,) * (layers - k), layer_costs) > host_budget_bytes:
+        k -= 1
+    choices = (RECOMPUTE_OFFLOAD,) * k + (RECOMPUTE,) * (layers - k)
+    peak = simulate_plan(choices, layer_costs, costs.link, base)[0]
+    summary = Plan(choices, peak, 0.0).summary()
+    return Setting(strategy, (True,) * layers, k, note=summary + " (least memory)", fits=False,
+                   predicted_peak_bytes=peak)
 
 
 def _best_k(costs: list[LayerCost], link: LinkCost, base: int, budget: int, host_budget: int) -> tuple[int, bool]:
