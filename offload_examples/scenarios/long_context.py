@@ -180,13 +180,15 @@ def _search(trainee: lc.Trainee, config: LongContextConfig, name: str, costs: lc
                 if setting in tried:  # the raised error changes nothing
                     setting = fallback()
             if setting in tried:
-                raise OutOfMemoryError(f"{tried[-1].note}: out of memory, and no setting predicted to fit better")
+                raise OutOfMemoryError(f"out of memory with {len(tried)} settings, the last {tried[-1].note}")
             tried.append(setting)
             predicted = setting.predicted_peak_bytes
             try:
                 ran = lc.run_at(trainee, setting, seq, limit_bytes=limit, host_budget_bytes=host,
                                 warmup=config.warmup, steps=config.steps)
             except OutOfMemoryError:
+                if name not in ("engine", "planner"):  # one setting at every length: nothing else to try
+                    raise
                 if predicted and limit and setting.fits:  # it needed more than the limit: the model fell short by more
                     error = max(error, limit / predicted - 1)
                 free_memory()

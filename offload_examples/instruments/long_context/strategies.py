@@ -195,7 +195,7 @@ def choose(strategy: str, seq: int, layers: int, costs: CostModel | None, limit_
     if strategy == "checkpoint":
         return Setting(strategy, every, 0)
     if strategy == "checkpoint + offload":
-        return Setting(strategy, every, layers - 1, note=f"checkpoint inputs of {layers - 1} layers offloaded")
+        return Setting(strategy, every, layers - 1, note=f"checkpoint inputs of layers 0-{layers - 2} offloaded")
     if strategy not in ("engine", "planner"):
         raise ValueError(f"unknown strategy {strategy!r}; choose from: {', '.join(STRATEGIES)}")
     if costs is None:
