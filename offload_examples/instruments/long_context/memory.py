@@ -190,7 +190,9 @@ def expandable_segments(device: torch.device) -> Iterator[None]:
     (``expandable_segments``): long sequences allocate large blocks of sizes that change with the
     length, and with fixed segments the memory reserved runs gigabytes ahead of the memory allocated,
     so a step runs out under a memory limit long before its tensors fill it."""
-    settings = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    # torch 2.11 moved the setter to the accelerator API and deprecated CUDA's own
+    settings = (getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+                or getattr(torch.cuda.memory, "_set_allocator_settings", None))
     if device.type != "cuda" or settings is None:
         yield
         return
