@@ -72,6 +72,9 @@ stored_sources = {
     "pipeline-2gpu": "docs/evidence/2xh200-nccl/pipeline_dist_nccl.json",
     "fsdp-2gpu": "docs/evidence/2xh200-nccl/fsdp_2gpu_nccl.json",
     "tests-2gpu": "docs/evidence/2xh200-nccl/tests_2gpu.log",
+    # the longest sequence: Llama 3 8B's shape on one H200 capped at 32 GiB (docs/long_context.md)
+    "long-context": "docs/evidence/h200-long-context/long_context.json",  # every strategy's search
+    "long-context-turns": "docs/evidence/h200-long-context/at_checkpoint.json",  # at checkpointing's longest
     # notebooks: their stored outputs
     "concepts": "notebooks/01_concepts.ipynb",  # copies, bandwidths, pinning
     "fsdp-notebook": "notebooks/08_fsdp.ipynb",  # FSDP2 and DDP on one H200

@@ -304,6 +304,26 @@ def _summary(text: str) -> dict[str, int]:
     return {outcome: int(n) for n, outcome in re.findall(r"(\d+) (\w+)", line.split(" in ")[0].strip("= "))}
 
 
+LONG_CONTEXT = f"{EVIDENCE}/h200-long-context"
+
+
+def _long_context_ratio(d: Data) -> tuple[str, ...]:
+    """How many times checkpointing's longest sequence checkpoint + offload trained."""
+    longest = {name: r["longest"] for name, r in d.load(f"{LONG_CONTEXT}/long_context.json")["strategies"].items()}
+    return (f"{longest['checkpoint + offload'] / longest['checkpoint']:.2f}",)
+
+
+def _long_context_turns(d: Data) -> tuple[str, ...]:
+    """The planner's median tokens/s against checkpointing's at checkpointing's longest, from the run where
+    they took turns: each strategy's probe, its step at the common length, the planner's at checkpointing's."""
+    t = d.load(f"{LONG_CONTEXT}/at_checkpoint.json")
+    speeds = {name: [p["tokens_per_s"] for p in r["probes"] if p["ok"]] + [t["at_common"][name]["tokens_per_s"]]
+              for name, r in t["strategies"].items()}
+    speeds["planner"].append(t["at_checkpoint"]["planner"]["tokens_per_s"])
+    ratio = statistics.median(speeds["planner"]) / statistics.median(speeds["checkpoint"])
+    return (f"{100 * (ratio - 1):+.1f}",)
+
+
 def _soak_gpu_drift(d: Data) -> tuple[str, ...]:
     """The drift test_soak_gpu asserts; the claim that it holds on a GPU: the suite with TE ran it and
     nothing failed."""
@@ -388,6 +408,11 @@ class Quoted:
 
 
 QUOTED = [
+    # docs/long_context.md
+    Quoted("docs/long_context.md", "tokens, {} times as long", _long_context_ratio,
+           "long_context.json: checkpoint + offload's longest over checkpointing's"),
+    Quoted("docs/long_context.md", "faster than checkpointing: {} % tokens per second", _long_context_turns,
+           "at_checkpoint.json: the planner's median tokens/s over checkpointing's, taking turns"),
     # docs/benchmarks.md
     Quoted("docs/benchmarks.md", "where it exceeds that by {} %", _bench_copy_threshold,
            "the threshold bench.md states: copy bound > 1.01 x baseline"),
