@@ -205,6 +205,9 @@ def test_a_tuple_chooses_layers_of_any_of_its_classes():
     assert [n for n, _ in find_layers(model, (nn.Linear, "ReLU"))] == ["0", "2.0", "3"]
     with pytest.raises(TypeError, match="tuple"):
         find_layers(model, ())
+    # an entry that matches nothing is a mistake (a misspelt class name), not a smaller choice
+    with pytest.raises(ValueError, match=r"matches \['Relu'\] of layers"):
+        offload_layers(model, (nn.Linear, "Relu"), num_layers=1)
 
 
 def test_bad_input_says_what_is_wrong():

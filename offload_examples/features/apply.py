@@ -354,10 +354,15 @@ def offload_layers(model: nn.Module, layers: LayerChoice, num_layers: int, *,
 
 
 def _chosen_layers(model: nn.Module, layers: LayerChoice) -> list[tuple[str, nn.Module]]:
-    """:func:`find_layers`, or ``ValueError`` when nothing matches."""
+    """:func:`find_layers`, or ``ValueError`` when nothing matches, or when an entry of a tuple matches
+    nothing (a misspelt class name would otherwise leave those layers quietly unoffloaded)."""
     found = find_layers(model, layers)
     if not found:
         raise ValueError(f"no submodule of {type(model).__name__} matches layers={layers!r}")
+    if isinstance(layers, tuple):
+        unmatched = [entry for entry in layers if not find_layers(model, entry)]
+        if unmatched:
+            raise ValueError(f"no submodule of {type(model).__name__} matches {unmatched!r} of layers={layers!r}")
     return found
 
 
