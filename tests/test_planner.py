@@ -40,7 +40,7 @@ from offload_examples.features.planner import (
     plan,
     simulate_plan,
 )
-from offload_examples.features.planner.search import _DECIMALS, _prefix_front
+from offload_examples.features.planner.search import _DECIMALS, _prefix_front, _prefixes
 
 EXAMPLES = settings(max_examples=30, deadline=None)
 MB = 1_000_000
@@ -175,10 +175,11 @@ def test_search_states_predict_what_the_simulation_does(data):
     its peak from the bytes held) is exactly what :func:`simulate_plan` says."""
     costs, link, _ = instance(data, exact=True)
     for k in range(len(costs)):
-        for last in (None, *(planner.partial_caps(costs[k - 1]) if k else ())):
-            for alpha, peak, changes, choices, (caps, modules) in _prefix_front(costs, link, k, math.inf, last):
+        for variant, last in _prefixes(costs, k, partial=True):  # whole offloads under each cap, recompute+offload
+            for alpha, peak, changes, choices, (caps, modules) in _prefix_front(costs, link, k, math.inf, last, variant):
                 assert simulate_plan(choices, costs, link, caps=caps, modules=modules) == (peak, alpha)
-                assert choices[:k] == (OFFLOAD,) * k and changes[0] == sum(c is not KEEP for c in choices)
+                assert choices[:k] == (variant,) * k and changes[0] == sum(c is not KEEP for c in choices)
+                assert changes[1] == planner.plan_host_bytes(choices, costs, caps)
                 assert caps == tuple(last if i == k - 1 else None for i in range(len(costs)))
 
 
@@ -273,9 +274,20 @@ def test_a_host_budget_is_never_exceeded_and_costs_only_what_it_must(data):
         assert not got.feasible and got.why
         return
     assert got.feasible and got.predicted_step_ms == min(ms for _, ms in fits.values())
-    offloaded = [c for c, ch in zip(costs, got.choices) if ch is OFFLOAD]
-    assert got.host_bytes == sum(planner.capped_bytes(c, got.caps[i]) for i, c in enumerate(costs)
-                                 if got.choices[i] is OFFLOAD) and (got.host_bytes > 0) == bool(offloaded)
+    # what the offloaded layers copy: an OFFLOAD layer's saved bytes (under its cap), a RECOMPUTE_OFFLOAD layer's input
+    assert got.host_bytes == sum(planner.capped_bytes(c, got.caps[i]) if got.choices[i] is OFFLOAD else c.input_bytes
+                                 for i, c in enumerate(costs) if got.choices[i] in OFFLOADED)
+
+
+def test_the_smallest_host_budget_named_counts_slower_plans_that_hold_less():
+    """A plan off the time-and-peak front (recompute+offload, slower than offloading whole) may need less
+    host memory than every plan on it: the message names the least of all plans that fit."""
+    costs, link = [LayerCost(1.0, 1.0, 3 * 10**6, 2 * 10**6)] * 3, LinkCost(100.0, 100.0, 100.0)
+    assert plan(costs, link, 6 * 10**6, host_budget_bytes=2 * 10**6).feasible
+    got = plan(costs, link, 6 * 10**6, host_budget_bytes=2 * 10**6 - 1)
+    assert not got.feasible and f"need at least {2 * 10**6} bytes of pinned host memory" in got.why
+    got = plan(costs, link, 6 * 10**6, prefix_only=False, host_budget_bytes=2 * 10**6 - 1)
+    assert not got.feasible and f"need at least {2 * 10**6} bytes of pinned host memory" in got.why
 
 
 def test_a_host_budget_that_no_plan_meets_names_the_smallest_that_would():
@@ -769,8 +781,10 @@ def test_caps_are_refused_where_they_cannot_mean_anything():
     sized = LayerCost(1.0, 1.0, 3 * mb, mb, storage_bytes=(mb, 2 * mb))
     with pytest.raises(ValueError, match="add up to"):
         LayerCost(1.0, 1.0, 3 * mb, mb, storage_bytes=(mb, mb))
-    with pytest.raises(ValueError, match="layer 1 is not offloaded"):
+    with pytest.raises(ValueError, match="caps\\[1\\] is set but layer 1 is keep: only a layer whose choice is offload"):
         Plan((OFFLOAD, KEEP), 0, 0.0, caps=(None, mb))
+    with pytest.raises(ValueError, match="layer 0 is recompute\\+offload: only a layer whose choice is offload takes"):
+        Plan((RECOMPUTE_OFFLOAD, KEEP), 0, 0.0, caps=(mb, None))
     with pytest.raises(ValueError, match="one cap"):
         Plan((OFFLOAD, KEEP), 0, 0.0, caps=(mb,))
     with pytest.raises(ValueError, match="storage_bytes"):  # no sizes: no way to tell what a cap offloads
@@ -954,7 +968,7 @@ def test_module_recompute_bad_input_says_what_is_wrong():
     link, layer = LinkCost(1.0, 1.0, 1.0), LayerCost(1.0, 1.0, 10, 1, recompute_modules=(ModuleCost("mlp", 5, 5, 1.0),))
     with pytest.raises(ValueError, match="no cost for recomputing the submodule 'attn' \\(measured: mlp\\)"):
         simulate_plan((RECOMPUTE, KEEP), [layer] * 2, link, modules=("attn", None))
-    with pytest.raises(ValueError, match="modules\\[1\\] is set but layer 1 is not recomputed"):
+    with pytest.raises(ValueError, match="modules\\[1\\] is set but layer 1 is keep: only a layer whose choice is recompute"):
         simulate_plan((RECOMPUTE, KEEP), [layer] * 2, link, modules=(None, "mlp"))
     with pytest.raises(ValueError, match="one module name"):
         Plan((RECOMPUTE, KEEP), 0, 0.0, modules=("mlp",))

@@ -172,14 +172,19 @@ def _search(trainee: lc.Trainee, config: LongContextConfig, name: str, costs: lc
 
     def probe(seq: int) -> Probe:
         nonlocal error
-        tried = []
+        tried: list[lc.Setting] = []
+
+        def new(setting: lc.Setting) -> bool:  # one that differs in what runs, not only in its prediction
+            return all((setting.checkpointed, setting.offloaded, setting.caps) != (t.checkpointed, t.offloaded, t.caps)
+                       for t in tried)
+
         while True:
             setting = lc.choose(name, seq, trainee.layers, costs, budget(), host)
             for fallback in (lambda: lc.choose(name, seq, trainee.layers, costs, 0, host),  # the lowest predicted peak
                              lambda: lc.least_memory(name, trainee.layers, costs, seq, host)):
-                if setting in tried:  # the raised error changes nothing
+                if not new(setting):  # the raised error changes nothing
                     setting = fallback()
-            if setting in tried:
+            if not new(setting):
                 raise OutOfMemoryError(f"out of memory with {len(tried)} settings, the last {tried[-1].note}")
             tried.append(setting)
             predicted = setting.predicted_peak_bytes
@@ -189,8 +194,8 @@ def _search(trainee: lc.Trainee, config: LongContextConfig, name: str, costs: lc
             except OutOfMemoryError:
                 if name not in ("engine", "planner"):  # one setting at every length: nothing else to try
                     raise
-                if predicted and limit and setting.fits:  # it needed more than the limit: the model fell short by more
-                    error = max(error, limit / predicted - 1)
+                if predicted and limit and setting.fits:  # it needed more than the limit: plan strictly below it now
+                    error = max(error, limit / max(predicted - 1, 1) - 1)
                 free_memory()
                 continue  # what the model now chooses, or a fallback
             if predicted and ran.peak_bytes:

@@ -122,7 +122,8 @@ def _per_layer(values: Sequence[Any] | None, choices: tuple[Choice, ...], field:
             if not ok(value):
                 raise ValueError(f"{field}[{i}] must be {must_be} or None, got {value!r}")
             if ch is not only:
-                raise ValueError(f"{field}[{i}] is set but layer {i} is not {participle} ({ch.value})")
+                raise ValueError(f"{field}[{i}] is set but layer {i} is {ch.value}: only a layer whose choice is "
+                                 f"{only.value} takes one (layers that are not {participle} take None)")
     return values
 
 

@@ -289,14 +289,27 @@ def _why_infeasible(costs: Sequence[LayerCost], link: LinkCost, base_bytes: int,
     if base_bytes > budget_bytes:
         return f"base_bytes={base_bytes} alone exceed the budget of {budget_bytes} bytes"
     if host_cap != math.inf:
-        fitting = _front(costs, link, base_bytes, budget_bytes, prefix_only, partial)
-        if fitting:
-            need = min(plan_host_bytes(ch, costs, caps) for *_, (ch, caps, _) in fitting)
+        need = _least_host_bytes(costs, link, base_bytes, budget_bytes, prefix_only, partial)
+        if need is not None:
             return (f"the plans that fit the budget of {budget_bytes} bytes need at least {need} bytes of pinned "
                     f"host memory > host budget {int(host_cap)} bytes")
     return (f"even the plan with the lowest peak ({lowest.summary()}) needs {lowest.predicted_peak_bytes} bytes "
             f"> budget {budget_bytes} bytes ({base_bytes} of them base_bytes)"
             + ("; OFFLOAD limited to a prefix" if prefix_only else ""))
+
+
+def _least_host_bytes(costs: Sequence[LayerCost], link: LinkCost, base_bytes: int, budget_bytes: int,
+                      prefix_only: bool, partial: bool) -> int | None:
+    """The least pinned host memory of any plan whose predicted peak fits ``budget_bytes`` (``None``: none
+    fits). Not the front's: a slower plan that holds less host memory is off the time-and-peak front."""
+    if prefix_only:  # a prefix's host bytes are fixed by (k, variant, cap): is any plan with it under the budget?
+        hosts = [_prefix_host_bytes(costs, k, last, variant) for k in range(len(costs))
+                 for variant, last in _prefixes(costs, k, partial)
+                 if _prefix_front(costs, link, k, budget_bytes - base_bytes, last, variant)]
+    else:
+        hosts = [plan_host_bytes(ch, costs, caps) for ch, caps, modules in _every_plan(costs, partial)
+                 if simulate_plan(ch, costs, link, base_bytes, caps, modules)[0] <= budget_bytes]
+    return min(hosts, default=None)
 
 
 def _parts(costs: Sequence[LayerCost], caps: tuple[int | None, ...]) -> tuple[str | None, ...]:

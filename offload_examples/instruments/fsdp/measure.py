@@ -187,7 +187,7 @@ def compare_runs(rank: int, config: FsdpConfig, base: dict[str, Any], off: dict[
         "max_abs_diff": max(grad_diff, param_diff),
     }
     # recomputed layers free bytes too, which the engine's theory (its offloads) does not count
-    out["recomputes"] = bool(config.checkpoint) or (chosen is not None and RECOMPUTE in chosen.choices)
+    out["recomputes"] = bool(config.checkpoint) or (chosen is not None and bool(chosen.recomputed))
     if base["activation_peak_bytes"] is not None:
         saving = base["activation_peak_bytes"] - off["activation_peak_bytes"]
         ratio = saving / theory.saving if theory.saving and not out["recomputes"] else None

@@ -15,6 +15,7 @@ runs, so a search for the longest sequence meets real refusals in the middle of 
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -193,7 +194,8 @@ def expandable_segments(device: torch.device) -> Iterator[None]:
     # torch 2.11 moved the setter to the accelerator API and deprecated CUDA's own
     settings = (getattr(torch._C, "_accelerator_setAllocatorSettings", None)
                 or getattr(torch.cuda.memory, "_set_allocator_settings", None))
-    if device.type != "cuda" or settings is None:
+    # a setting of the user's own (PYTORCH_CUDA_ALLOC_CONF) is left as it is, and not undone afterwards
+    if device.type != "cuda" or settings is None or "expandable_segments" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
         yield
         return
     settings("expandable_segments:True")
