@@ -137,7 +137,7 @@ def _bad_option(command: str, option: str) -> st.SearchStrategy[list[str]]:
         return value(_bad_choice(name))
     if name == "device":
         return value(_bad_device(command))
-    if name in ("json", "plot"):
+    if name in ("json", "plot", "progress_json"):
         return value(BAD_JSON)
     if name in ("memory_limit", "host_budget"):  # a positive number of bytes, with or without a unit
         return value(st.one_of(st.sampled_from(["0", "-1", "0.5", "GiB", "", "12XB", "nan", "inf", "1 GB B"]),

@@ -103,7 +103,7 @@ def test_plan_layers_measures_plans_and_applies_in_one_call(checkpointing):
     handle = plan_layers(model, cls, step, budget, link=LINK, steps=1, recompute_modules=())
     chosen = handle.plan
     assert chosen.feasible and chosen.predicted_peak_bytes <= budget and len(handle.costs) == 4
-    assert OFFLOAD in chosen.choices or RECOMPUTE in chosen.choices
+    assert any(c is not KEEP for c in chosen.choices)
     for _ in range(2):
         assert same(expected, grads(model, step))
         assert [s.offloaded_bytes > 0 for s in handle.ctx.stats] == [c is OFFLOAD for c in chosen.choices]

@@ -10,7 +10,7 @@ layers = [
     torch.nn.TransformerEncoderLayer(256, 4, 1024, batch_first=True, device=device)
     for _ in range(8)
 ]
-x = torch.randn(8, 128, 256, device=device, requires_grad=True)
+x = torch.randn(4, 64, 256, device=device, requires_grad=True)
 
 # per layer: forward and backward ms, saved bytes, input bytes (steps: 20 by default)
 costs, base = measure_costs(layers, x, steps=5)

@@ -34,10 +34,10 @@ from offload_examples.features.apply import offload_layers
 from offload_examples.features.planner import host_budget
 from offload_examples.instruments.cli import Need, bytes_arg, dtype_bytes, json_path_arg
 from offload_examples.instruments.long_context import model as lc_model
+from offload_examples.instruments.long_context import probes
 from offload_examples.instruments.long_context import strategies as lc
-from offload_examples.instruments.long_context.memory import (OutOfMemoryError, device_memory_limit,
-                                                           expandable_segments, single_thread_on_cpu)
-from offload_examples.instruments.long_context.search import Probe, SearchResult, free_memory, longest_sequence
+from offload_examples.instruments.long_context.memory import device_memory_limit, expandable_segments, single_thread_on_cpu
+from offload_examples.instruments.long_context.search import SearchResult
 from offload_examples.instruments.models import enable_activation_checkpointing
 from offload_examples.instruments.plan_costs import measure_link
 from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table, report_header
@@ -131,84 +131,11 @@ def _build(config: LongContextConfig, device: torch.device) -> lc.Trainee:
     return lc.Trainee(model, optimizer, device, config.batch, config.vocab, config.loss_chunk, config.seed)
 
 
-#: The most tokens of the gradient check and the cost step (no memory limit; deterministic attention is quadratic).
-SHORT = 1024
-
-
-def _check_grads(trainee: lc.Trainee, config: LongContextConfig, costs: lc.CostModel | None,
-                 host: int) -> tuple[dict[str, Any], int]:
-    """Each strategy's adapter gradients at :data:`SHORT` tokens (or one resolution) against no offloading's."""
-    seq, out, offloaded, reference = min(config.resolution, SHORT), {}, 0, None
-    for name in ["no offload", *(s for s in config.strategies if s != "no offload")]:
-        with lc.strategy_mode(trainee, name):
-            setting = lc.choose(name, seq, trainee.layers, costs, None, host, check=True)
-            grads, moved = lc.gradients_at(trainee, setting, seq, host)
-        reference = reference or grads
-        equal = grads.keys() == reference.keys() and all(torch.equal(g, reference[k]) for k, g in grads.items())
-        diff = max(((g.float() - reference[k].float()).abs().max().item() for k, g in grads.items() if k in reference
-                    and g.shape == reference[k].shape), default=float("inf"))
-        out[name] = dict(equal=equal, max_abs_diff=diff, compared=len(grads), offloaded_bytes=moved, plan=setting.note)
-        offloaded += moved
-    return out, offloaded
-
-
 def _search(trainee: lc.Trainee, config: LongContextConfig, name: str, costs: lc.CostModel | None, limit: int | None,
             host: int, say: Callable[[str], None], only: int | None = None) -> SearchResult:
-    """The longest sequence of strategy ``name`` (with ``only``: one probe at ``only`` tokens).
-
-    The engine's ``k`` and the planner's plans come from the cost model, whose peaks may fall short of
-    what a step measures (the allocator's rounding and fragmentation, temporaries it does not see).
-    Each step that peaks above its prediction, or runs out of memory although predicted to fit, raises
-    ``error``, the largest shortfall seen (a ratio), and later settings are chosen under the limit
-    divided by ``1 + error``: the search learns how far to trust the model. A length whose setting
-    runs out of memory is tried again with the setting the raised error chooses, then with the one of
-    the lowest predicted peak, and last with the one that holds least
-    (:func:`~offload_examples.instruments.long_context.strategies.least_memory`).
-    """
-    error = 0.0
-
-    def budget() -> int | None:
-        return None if limit is None else int(limit / (1 + error))
-
-    def probe(seq: int) -> Probe:
-        nonlocal error
-        tried: list[lc.Setting] = []
-
-        def new(setting: lc.Setting) -> bool:  # one that differs in what runs, not only in its prediction
-            return all((setting.checkpointed, setting.offloaded, setting.caps) != (t.checkpointed, t.offloaded, t.caps)
-                       for t in tried)
-
-        while True:
-            setting = lc.choose(name, seq, trainee.layers, costs, budget(), host)
-            for fallback in (lambda: lc.choose(name, seq, trainee.layers, costs, 0, host),  # the lowest predicted peak
-                             lambda: lc.least_memory(name, trainee.layers, costs, seq, host)):
-                if not new(setting):  # the raised error changes nothing
-                    setting = fallback()
-            if not new(setting):
-                raise OutOfMemoryError(f"out of memory with {len(tried)} settings, the last {tried[-1].note}")
-            tried.append(setting)
-            predicted = setting.predicted_peak_bytes
-            try:
-                ran = lc.run_at(trainee, setting, seq, limit_bytes=limit, host_budget_bytes=host,
-                                warmup=config.warmup, steps=config.steps)
-            except OutOfMemoryError:
-                if name not in ("engine", "planner"):  # one setting at every length: nothing else to try
-                    raise
-                if predicted and limit and setting.fits:  # it needed more than the limit: plan strictly below it now
-                    error = max(error, limit / max(predicted - 1, 1) - 1)
-                free_memory()
-                continue  # what the model now chooses, or a fallback
-            if predicted and ran.peak_bytes:
-                error = max(error, ran.peak_bytes / predicted - 1)
-            return ran
-
-    predict = None
-    if name in ("engine", "planner") and only is None:  # the cost model, not a fit: their setting changes with length
-        predict = lambda _: lc.predicted_longest(name, costs, trainee.layers, budget(), host,  # noqa: E731
-                                                 config.resolution, config.max_seq)
-    with lc.strategy_mode(trainee, name):
-        return longest_sequence(probe, resolution=only or config.resolution, max_seq=only or config.max_seq,
-                                limit_bytes=limit, predict=predict, progress=say, label=name)
+    """:func:`~offload_examples.instruments.long_context.probes.search_strategy` at the config's sizes."""
+    return probes.search_strategy(trainee, name, costs, limit, host, say, resolution=config.resolution,
+                                  max_seq=config.max_seq, warmup=config.warmup, steps=config.steps, only=only)
 
 
 def run(config: LongContextConfig | None = None, device: torch.device | str | None = None,
@@ -227,8 +154,8 @@ def _run(config: LongContextConfig, device: torch.device, say: Callable[[str], N
     costs = None  # what the engine's k and the planner's plans are chosen from
     if {"engine", "planner"} & set(config.strategies):
         link = measure_link(device, 2**20 * (256 if device.type == "cuda" else 4))
-        costs = lc.measure_cost_model(trainee, min(config.resolution, SHORT), link)
-    grads, offloaded = _check_grads(trainee, config, costs, host)
+        costs = lc.measure_cost_model(trainee, min(config.resolution, probes.SHORT), link)
+    grads, offloaded = probes.check_grads(trainee, config.strategies, config.resolution, costs, host)
     say("gradients bitwise equal to no offloading's: " + ", ".join(f"{n} {g['equal']}" for n, g in grads.items()))
     results: dict[str, Any] = {}
     report = {**report_header("long-context", device, config), "memory_limit_bytes": None, "host_budget_bytes": host,
@@ -246,11 +173,12 @@ def _run(config: LongContextConfig, device: torch.device, say: Callable[[str], N
             _save_progress(config, report)  # a search cut short keeps what it found
         common = report["common_seq"] = min((r["longest"] for r in results.values() if r["longest"]), default=0)
         say(f"every strategy at {common} tokens, the longest all of them ran:")
-        report["at_common"] = {name: _as_dict(_search(trainee, config, name, costs, limit, host, say, only=common).best)
+        report["at_common"] = {name: probes.as_dict(_search(trainee, config, name, costs, limit, host, say,
+                                                            only=common).best)
                                for name, r in results.items() if common and r["longest"]}
         _save_progress(config, report)
-        report["checkpoint_seq"], report["at_checkpoint"] = _at_checkpoints_longest(trainee, config, costs, limit,
-                                                                                    host, results, say)
+        report["checkpoint_seq"], report["at_checkpoint"] = probes.at_checkpoints_longest(
+            trainee, costs, limit, host, results, say, warmup=config.warmup, steps=config.steps)
         _save_progress(config, report)
     if config.plot:
         from offload_examples.instruments.plots import plot_longest_sequence
@@ -259,25 +187,6 @@ def _run(config: LongContextConfig, device: torch.device, say: Callable[[str], N
         figure.savefig(config.plot, dpi=120)
         figure.clear()
     return report
-
-
-def _as_dict(probe: Probe | None) -> dict[str, Any] | None:
-    return probe and dataclasses.asdict(probe)
-
-
-def _at_checkpoints_longest(trainee: lc.Trainee, config: LongContextConfig, costs: lc.CostModel | None,
-                            limit: int | None, host: int, results: dict[str, Any],
-                            say: Callable[[str], None]) -> tuple[int, dict[str, Any]]:
-    """``(checkpointing's longest length, {strategy: its probe there})`` for the strategies that ran at
-    least as long: what the longer sequences cost in speed where checkpointing still runs."""
-    seq = (results.get("checkpoint") or {}).get("longest") or 0
-    longer = [n for n, r in results.items() if n != "checkpoint" and seq and r["longest"] >= seq]
-    if not longer:
-        return seq, {}
-    say(f"at {seq} tokens, the longest checkpointing ran:")
-    best = next(p for p in reversed(results["checkpoint"]["probes"]) if p["ok"] and p["seq"] == seq)
-    return seq, {"checkpoint": best, **{n: _as_dict(_search(trainee, config, n, costs, limit, host, say, only=seq).best)
-                                        for n in longer}}
 
 
 def _save_progress(config: LongContextConfig, report: dict[str, Any]) -> None:
@@ -313,7 +222,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"{c['batch']}; device memory limit {limit}, pinned host budget {format_bytes(report['host_budget_bytes'])}",
         format_table(rows, header=header),
         f"longest sequences to within {c['resolution']:,} tokens, up to {c['max_seq']:,}; gradients of every strategy "
-        f"against no offloading at {min(c['resolution'], SHORT):,} tokens, bitwise equal: {report['grads_equal']}",
+        f"against no offloading at {min(c['resolution'], probes.SHORT):,} tokens, bitwise equal: {report['grads_equal']}",
         *cpu_timing_note(report),
     ])
 
