@@ -36,11 +36,13 @@ from offload_examples.instruments.cli import Need, bytes_arg, dtype_bytes, json_
 from offload_examples.instruments.long_context import model as lc_model
 from offload_examples.instruments.long_context import probes
 from offload_examples.instruments.long_context import strategies as lc
-from offload_examples.instruments.long_context.memory import device_memory_limit, expandable_segments, single_thread_on_cpu
+from offload_examples.instruments.long_context.memory import (device_memory_limit, expandable_segments,
+                                                           single_thread_on_cpu)
 from offload_examples.instruments.long_context.search import SearchResult
 from offload_examples.instruments.models import enable_activation_checkpointing
 from offload_examples.instruments.plan_costs import measure_link
-from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table, report_header
+from offload_examples.instruments.report import (cpu_timing_note, format_bytes, format_table, report_header,
+                                                 write_json)
 from offload_examples.instruments.scenario_cli import scenario_main
 from offload_examples.instruments.sizes import ScenarioConfig, Timing
 
@@ -190,11 +192,8 @@ def _run(config: LongContextConfig, device: torch.device, say: Callable[[str], N
 
 
 def _save_progress(config: LongContextConfig, report: dict[str, Any]) -> None:
-    if config.progress_json:
-        import json
-        from pathlib import Path
-
-        Path(config.progress_json).write_text(json.dumps(report, indent=1))
+    if config.progress_json:  # whole or not at all: a run stopped while writing leaves the last report
+        write_json(config.progress_json, report)
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -222,7 +221,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"{c['batch']}; device memory limit {limit}, pinned host budget {format_bytes(report['host_budget_bytes'])}",
         format_table(rows, header=header),
         f"longest sequences to within {c['resolution']:,} tokens, up to {c['max_seq']:,}; gradients of every strategy "
-        f"against no offloading at {min(c['resolution'], probes.SHORT):,} tokens, bitwise equal: {report['grads_equal']}",
+        f"against no offloading at {min(c['resolution'], probes.SHORT):,} tokens, bitwise equal: "
+        f"{report['grads_equal']}",
         *cpu_timing_note(report),
     ])
 

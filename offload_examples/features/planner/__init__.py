@@ -62,8 +62,10 @@ from .model import Plan, SubsetSchedule, copied_bytes, offload_schedule, plan_ho
 from .search import EXHAUSTIVE_MAX_LAYERS, pareto, plan
 
 __all__ = [
-    "KEEP", "OFFLOAD", "OFFLOADED", "RECOMPUTE", "RECOMPUTED", "RECOMPUTE_OFFLOAD", "Checkpointed", "Choice", "LayerCost", "LinkCost", "ModuleCost", "Plan",
+    "KEEP", "OFFLOAD", "OFFLOADED", "RECOMPUTE", "RECOMPUTED", "RECOMPUTE_OFFLOAD", "Checkpointed", "Choice",
+    "LayerCost", "LinkCost", "ModuleCost", "Plan",
     "PlannedLayers", "SubsetSchedule",
-    "apply_plan", "apply_plan_to_model", "cap_in_modules", "capped_bytes", "copied_bytes", "host_budget", "offload_schedule", "pareto",
+    "apply_plan", "apply_plan_to_model", "cap_in_modules", "capped_bytes", "copied_bytes", "host_budget",
+    "offload_schedule", "pareto",
     "partial_caps", "plan", "plan_host_bytes", "simulate_plan",
 ]

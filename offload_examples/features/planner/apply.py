@@ -81,7 +81,8 @@ def apply_plan(chosen: Plan, layers: Sequence[nn.Module], device: torch.device |
     length, or when both the plan and ``engine_options`` cap bytes.
     """
     engine = _engine(chosen, len(layers), device, engine_options)
-    # a RECOMPUTE_OFFLOAD layer is checkpointed inside the engine's context: the engine offloads what the checkpoint keeps
+    # a RECOMPUTE_OFFLOAD layer is checkpointed inside the engine's context: the engine offloads what the
+    # checkpoint keeps
     run = [Checkpointed(layer, module) if c in RECOMPUTED else layer
            for layer, c, module in zip(layers, chosen.choices, chosen.modules)]
     return engine, engine.sync, run

@@ -17,7 +17,8 @@ from enum import Enum
 from typing import Any
 
 __all__ = [
-    "KEEP", "OFFLOAD", "RECOMPUTE", "RECOMPUTE_OFFLOAD", "TIME_FIELDS", "Choice", "LayerCost", "LinkCost", "ModuleCost", "cap_in_modules",
+    "KEEP", "OFFLOAD", "OFFLOADED", "RECOMPUTE", "RECOMPUTED", "RECOMPUTE_OFFLOAD", "TIME_FIELDS", "Choice",
+    "LayerCost", "LinkCost", "ModuleCost", "cap_in_modules",
     "available_host_bytes", "capped_bytes", "host_budget", "partial_caps",
 ]
 

@@ -239,7 +239,8 @@ class Plan:
                 runs[-1].append(i)
             else:
                 runs.append([i])
-        order = [RECOMPUTE_OFFLOAD.value, OFFLOAD.value, RECOMPUTE.value, KEEP.value]  # capped offloads after whole ones
+        # capped offloads after whole ones
+        order = [RECOMPUTE_OFFLOAD.value, OFFLOAD.value, RECOMPUTE.value, KEEP.value]
         named = sorted(groups, key=lambda d: (order.index(d.split()[0]), d != d.split()[0]))
         return ", ".join(f"{d} " + " ".join(f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in groups[d])
                          for d in named)

@@ -58,8 +58,8 @@ def _options(cost: LayerCost) -> list[tuple[Choice, str | None, int, int, float]
 
 def _prefix_front(costs: Sequence[LayerCost], link: LinkCost, k: int, cap: float,
                   last_cap: int | None = None, variant: Choice = OFFLOAD) -> list[tuple]:
-    """``(step_ms, peak_saved_bytes, (changes, host bytes), choices, (caps, modules))`` of the non-dominated plans with the
-    first ``k`` layers offloaded, all as ``variant`` (OFFLOAD, layer ``k - 1`` under the byte cap
+    """``(step_ms, peak_saved_bytes, (changes, host bytes, k), choices, (caps, modules))`` of the
+    non-dominated plans with the first ``k`` layers offloaded, all as ``variant`` (OFFLOAD, layer ``k - 1`` under the byte cap
     ``last_cap`` if given; or RECOMPUTE_OFFLOAD), the others kept or recomputed (whole or one submodule:
     :func:`_options`), and at most ``cap`` bytes resident."""
     n = len(costs)
@@ -160,10 +160,13 @@ def _front(costs: Sequence[LayerCost], link: LinkCost, base_bytes: int, cap: flo
         found = _every_plan(costs, partial)
     out = []
     for ch, caps, modules in found:
+        host = plan_host_bytes(ch, costs, caps)
+        if host > host_cap:  # before the simulation, which costs far more
+            continue
         peak, ms = simulate_plan(ch, costs, link, base_bytes, caps, modules)
-        if peak <= cap and plan_host_bytes(ch, costs, caps) <= host_cap:
+        if peak <= cap:
             # ties: fewer changes, less host memory, fewer layers offloaded (RECOMPUTE before RECOMPUTE_OFFLOAD)
-            changes = (sum(c is not KEEP for c in ch), plan_host_bytes(ch, costs, caps), sum(c in OFFLOADED for c in ch))
+            changes = (sum(c is not KEEP for c in ch), host, sum(c in OFFLOADED for c in ch))
             out.append((round(ms, _DECIMALS), peak, changes, ms, (ch, caps, modules)))
     return _nondominated(out, 2)
 

@@ -195,7 +195,8 @@ def expandable_segments(device: torch.device) -> Iterator[None]:
     settings = (getattr(torch._C, "_accelerator_setAllocatorSettings", None)
                 or getattr(torch.cuda.memory, "_set_allocator_settings", None))
     # a setting of the user's own (PYTORCH_CUDA_ALLOC_CONF) is left as it is, and not undone afterwards
-    if device.type != "cuda" or settings is None or "expandable_segments" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+    users_own = "expandable_segments" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if device.type != "cuda" or settings is None or users_own:
         yield
         return
     settings("expandable_segments:True")

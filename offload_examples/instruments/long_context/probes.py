@@ -95,8 +95,13 @@ def search_strategy(trainee: lc.Trainee, name: str, costs: lc.CostModel | None, 
 
     predict = None
     if name in ("engine", "planner") and only is None:  # the cost model, not a fit: their setting changes with length
-        predict = lambda _: lc.predicted_longest(name, costs, trainee.layers, budget(), host,  # noqa: E731
-                                                 resolution, max_seq)
+        longest_for: dict[int | None, int] = {}  # per budget: a bisection of plans, redone only when error moves
+
+        def predict(_: list[tuple[int, int]]) -> int:
+            if budget() not in longest_for:
+                longest_for[budget()] = lc.predicted_longest(name, costs, trainee.layers, budget(), host, resolution,
+                                                           max_seq)
+            return longest_for[budget()]
     with lc.strategy_mode(trainee, name):
         return longest_sequence(probe, resolution=only or resolution, max_seq=only or max_seq,
                                 limit_bytes=limit, predict=predict, progress=say, label=name)

@@ -34,16 +34,16 @@ from torch import nn
 
 from offload_examples.core.errors import OffloadWarning
 from offload_examples.features.apply import OffloadedLayers, offload_layers
-from offload_examples.features.planner import (KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_OFFLOAD, RECOMPUTED, LayerCost, Plan, LinkCost, plan, plan_host_bytes,
-                                                simulate_plan)
+from offload_examples.features.planner import (KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_OFFLOAD, RECOMPUTED, LayerCost,
+                                                LinkCost, Plan, plan, plan_host_bytes, simulate_plan)
 from offload_examples.instruments.measure import deterministic_kernels
 from offload_examples.instruments.long_context.memory import held_bytes, step_memory
 from offload_examples.instruments.long_context.model import decoder_layers, lora_step
 from offload_examples.instruments.long_context.search import Probe
 from offload_examples.instruments.models import enable_activation_checkpointing
 
-__all__ = ["STRATEGIES", "CostModel", "Setting", "Trainee", "choose", "gradients_at", "least_memory", "measure_cost_model",
-           "predicted_longest", "run_at", "strategy_mode"]
+__all__ = ["STRATEGIES", "CostModel", "Setting", "Trainee", "choose", "gradients_at", "least_memory",
+           "measure_cost_model", "predicted_longest", "run_at", "strategy_mode"]
 
 #: The strategies, in the order the scenario runs them.
 STRATEGIES = ("no offload", "checkpoint", "checkpoint + offload", "engine", "planner")
@@ -232,10 +232,14 @@ def least_memory(strategy: str, layers: int, costs: CostModel, seq: int, host_bu
     if strategy != "planner":
         return choose(strategy, seq, layers, costs, 0, host_budget_bytes)
     layer_costs, base = costs.at(seq)
+
+    def choices_of(k: int) -> tuple:
+        return (RECOMPUTE_OFFLOAD,) * k + (RECOMPUTE,) * (layers - k)
+
     k = layers - 1
-    while k and plan_host_bytes((RECOMPUTE_OFFLOAD,) * k + (RECOMPUTE,) * (layers - k), layer_costs) > host_budget_bytes:
+    while k and plan_host_bytes(choices_of(k), layer_costs) > host_budget_bytes:
         k -= 1
-    choices = (RECOMPUTE_OFFLOAD,) * k + (RECOMPUTE,) * (layers - k)
+    choices = choices_of(k)
     peak = simulate_plan(choices, layer_costs, costs.link, base)[0]
     summary = Plan(choices, peak, 0.0).summary()
     return Setting(strategy, (True,) * layers, k, note=summary + " (least memory)", fits=False,
@@ -306,7 +310,8 @@ def run_at(trainee: Trainee, setting: Setting, seq: int, *, limit_bytes: int | N
         warnings.filterwarnings("always", "keeping saved tensors", OffloadWarning)  # over the host budget
         pools = [handle.ctx.pool] if handle is not None else []
         for i in range(warmup + steps):
-            base = held_bytes(trainee.model, trainee.optimizer, ids)
+            # what the step starts with: the CPU's meter counts from it (CUDA's allocator needs nothing)
+            base = 0 if cuda else held_bytes(trainee.model, trainee.optimizer, ids)
             with step_memory(trainee.device, base, limit_bytes, pools) as mem:
                 start = time.perf_counter()
                 trainee.step(ids)
