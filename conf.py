@@ -31,7 +31,7 @@ release = version = offload_examples.__version__
 
 root_doc = "docs/index"
 include_patterns = ["docs/**", "notebooks/*.ipynb"]
-exclude_patterns = ["_build", "**/.ipynb_checkpoints", "docs/snippets/**", "docs/evidence/**", "notebooks/drafts/**"]
+exclude_patterns = ["_build", "**/.ipynb_checkpoints", "docs/snippets/**", "docs/evidence/**"]
 
 # The files the prose takes its numbers from: {stored}`bench:models[A].runs[engine,k=2].overhead|+pct`
 # writes that value of the benchmark's bench.json into the page when the site is built, and a value

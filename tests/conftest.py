@@ -12,13 +12,20 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+import docs_build  # noqa: E402
+
 from offload_examples.instruments.models import has_transformer_engine, import_transformer_engine  # noqa: E402
 
 # Transformer Engine must be imported before anything starts CUDA (else a system cuDNN may load).
 import_transformer_engine()
 
 
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected: only the tests that will run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The docs tests last: the site builds in the background while the others run (docs_build.py).
+    items.sort(key=lambda item: item.path.name == "test_docs.py")  # a stable sort: same order otherwise
+    if not config.option.collectonly and any("build" in item.fixturenames for item in items):
+        docs_build.start()
     if torch.cuda.is_available():
         return
     if os.environ.get("OFFLOAD_EXAMPLES_REQUIRE_GPU") == "1":

@@ -23,22 +23,16 @@ from urllib.request import urlopen
 
 import pytest
 
+import docs_build
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def build(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """One build for every test here: warnings as errors, every reference checked (``-n``, nitpicky).
-
-    ``--keep-going`` writes the whole site even when a warning fails the build, so the browser
-    tests still look at it; :func:`test_docs_build_without_warnings` fails on the warnings.
-    """
-    out = tmp_path_factory.mktemp("html")
-    proc = subprocess.run(
-        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-n", "-q", "-b", "html", str(ROOT), str(out)],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
-    )
-    return out, proc
+def build() -> tuple[Path, subprocess.CompletedProcess]:
+    """One build for every test here: warnings as errors, every reference checked (``-n``, nitpicky),
+    started in the background when the run was collected (``tests/docs_build.py``)."""
+    return docs_build.result()
 
 
 @pytest.fixture(scope="module")
