@@ -66,8 +66,6 @@ stored_sources = {
     "reload-order": "docs/evidence/h100-te-host-time/diag23.json#results",  # early_first_reload, 12 layers
     # the GPU test suite on one H100, with and without Transformer Engine (docs/reliability.md)
     "basic-h200": "docs/evidence/h200-gpu-tests/basic_te.json",  # the basic scenario in the H200's GPU suite
-    "gpu-tests-te": "docs/evidence/h100-gpu-tests/gpu_suite_te.log",
-    "gpu-tests-no-te": "docs/evidence/h100-gpu-tests/gpu_suite_no_te.log",
     # two H200s of one host, NCCL: the two-stage pipeline, FSDP2 on two ranks, the two-GPU tests
     "pipeline-2gpu": "docs/evidence/2xh200-nccl/pipeline_dist_nccl.json",
     "fsdp-2gpu": "docs/evidence/2xh200-nccl/fsdp_2gpu_nccl.json",
