@@ -12,20 +12,31 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import docs_build  # noqa: E402
+import background  # noqa: E402
 
 from offload_examples.instruments.models import has_transformer_engine, import_transformer_engine  # noqa: E402
 
 # Transformer Engine must be imported before anything starts CUDA (else a system cuDNN may load).
 import_transformer_engine()
 
+if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+    # On the CPU the tests, the notebooks' small runs and the docs build run side by side (background.py),
+    # more processes than a small machine has cores: threads of one op that wait on each other would spin
+    # while another process has the core. Small tensors lose little with one thread; the processes the
+    # tests start inherit the variable. GPU runs keep torch's default for the host's share of their work.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected: only the tests that will run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # The docs tests last: the site builds in the background while the others run (docs_build.py).
+    # The docs tests last: the site builds in the background while the others run (background.py).
     items.sort(key=lambda item: item.path.name == "test_docs.py")  # a stable sort: same order otherwise
-    if not config.option.collectonly and any("build" in item.fixturenames for item in items):
-        docs_build.start()
+    if not config.option.collectonly:
+        if any("build" in item.fixturenames for item in items):
+            background.start_docs_build()
+        background.start_small_runs([item.callspec.params["nb"] for item in items
+                                     if item.originalname == "test_notebook_runs_small_on_cpu"])
     if torch.cuda.is_available():
         return
     if os.environ.get("OFFLOAD_EXAMPLES_REQUIRE_GPU") == "1":

@@ -23,7 +23,7 @@ from urllib.request import urlopen
 
 import pytest
 
-import docs_build
+import background
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def build() -> tuple[Path, subprocess.CompletedProcess]:
     """One build for every test here: warnings as errors, every reference checked (``-n``, nitpicky),
-    started in the background when the run was collected (``tests/docs_build.py``)."""
-    return docs_build.result()
+    started in the background when the run was collected (``tests/background.py``)."""
+    return background.docs_build()
 
 
 @pytest.fixture(scope="module")

@@ -65,7 +65,7 @@ def _assert_boundary(result: search.SearchResult, fits) -> None:
 @pytest.mark.parametrize("a, b, c", [(1000, 10, 0.0), (1000, 10, 0.02), (50_000, 5, 0.0), (100, 7, 0.001)])
 def test_the_search_finds_the_boundary_within_the_resolution(a, b, c, monkeypatch):
     freed = []
-    monkeypatch.setattr(search, "free_memory", lambda: freed.append(1))
+    monkeypatch.setattr(search, "free_memory", lambda **_: freed.append(1))
     peak, limit = (lambda s: a + b * s + c * s * s), 60_000
     lines: list[str] = []
     result = longest_sequence(_run_under(peak, limit), resolution=16, max_seq=8192, limit_bytes=limit,

@@ -8,6 +8,7 @@ or with ``time.perf_counter`` on the CPU.
 from __future__ import annotations
 
 import contextlib
+import gc
 import statistics
 import time
 from dataclasses import dataclass, field, replace
@@ -18,9 +19,9 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = [
-    "GradCheck", "Measurement", "StepReport", "balanced_orders", "compare_grads", "deterministic_kernels",
-    "measure_paired", "measure_round_robin", "measure_stage_steps", "measure_steps", "memory_by_phase",
-    "paired_overhead", "resident_vs_theory", "snapshot", "training_step",
+    "GradCheck", "Measurement", "StepReport", "balanced_orders", "compare_grads", "compare_tensors",
+    "deterministic_kernels", "free_memory", "measure_paired", "measure_round_robin", "measure_stage_steps",
+    "measure_steps", "memory_by_phase", "paired_overhead", "resident_vs_theory", "snapshot", "training_step",
 ]
 
 Progress = Callable[[str], None]
@@ -352,6 +353,21 @@ def paired_overhead(times: list[float], reference_ms: list[float]) -> float:
     return statistics.median(t / r for t, r in zip(times, reference_ms)) - 1
 
 
+def free_memory(*, pinned: bool = False) -> None:
+    """Give back what the last run left before the next one is measured: its graph (the garbage
+    collector breaks the cycles an exception's frames make) and CUDA's cached blocks; with ``pinned``,
+    the pinned host blocks PyTorch's caching host allocator keeps too (they count against a host budget,
+    but a run that measures pinning costs would find them gone)."""
+    gc.collect()
+    if not torch.cuda.is_initialized():
+        return
+    torch.cuda.synchronize()  # blocks still used by queued work are freed only once it has run
+    torch.cuda.empty_cache()
+    host_empty = getattr(torch._C, "_host_emptyCache", None)  # torch >= 2.5
+    if pinned and host_empty is not None:
+        host_empty()
+
+
 @contextlib.contextmanager
 def deterministic_kernels() -> Iterator[None]:
     """Run only kernels that give bit-identical results from run to run.
@@ -387,16 +403,20 @@ def compare_grads(a: Measurement, b: Measurement) -> GradCheck:
     """Compare outputs and every gradient of two measurements exactly (``rtol=0, atol=0``)."""
     if a.grads.keys() != b.grads.keys():
         raise ValueError(f"the runs have different gradients: {sorted(a.grads.keys() ^ b.grads.keys())}")
-    pairs = {"output": (a.output, b.output), **{k: (a.grads[k], b.grads[k]) for k in a.grads}}
-    mismatched, worst = [], 0.0
-    for name, (x, y) in pairs.items():
+    return compare_tensors({"output": a.output, **a.grads}, {"output": b.output, **b.grads})
+
+
+def compare_tensors(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> GradCheck:
+    """Compare two sets of named tensors exactly; a name only one set has counts as a mismatch (and makes
+    ``max_abs_diff`` infinite, as does a shape that differs)."""
+    mismatched = sorted(a.keys() ^ b.keys())
+    worst = float("inf") if mismatched else 0.0
+    for name in (k for k in a if k in b):
+        x, y = a[name], b[name]
         if not torch.equal(x, y):
             mismatched.append(name)
-            if x.shape == y.shape:
-                worst = max(worst, (x.float() - y.float()).abs().max().item())
-            else:
-                worst = float("inf")
-    return GradCheck(not mismatched, len(pairs), worst, mismatched)
+            worst = max(worst, (x.float() - y.float()).abs().max().item() if x.shape == y.shape else float("inf"))
+    return GradCheck(not mismatched, len(a.keys() | b.keys()), worst, mismatched)
 
 
 def resident_vs_theory(engine) -> list[tuple[str, int, int, int]]:

@@ -45,13 +45,12 @@ from offload_examples.features.planner import Plan, apply_plan
 from offload_examples.instruments.cli import default_device
 from offload_examples.instruments.fsdp.cli import PLACEMENT, add_options, on_rank_zero
 from offload_examples.instruments.fsdp.config import FsdpConfig
-from offload_examples.instruments.fsdp.measure import (
-    CHECK_STEPS, build_layers, compare_runs, free_memory, make_plan, measure_training,
-)
+from offload_examples.instruments.fsdp.measure import CHECK_STEPS, build_layers, compare_runs, make_plan, measure_training
 from offload_examples.instruments.fsdp.report import format_report
 from offload_examples.instruments.fsdp.trace import (
     prefetch_comparison, stream_activity, timeline_figure, timeline_figure_from_traces, trace_paths,
 )
+from offload_examples.instruments.measure import free_memory
 from offload_examples.instruments.models import Checkpointed
 from offload_examples.instruments.report import report_header
 from offload_examples.instruments.scenario_cli import scenario_main
@@ -172,10 +171,10 @@ def _run_rank(rank: int, device: torch.device, config: FsdpConfig, verbose: bool
     if chosen is not None:
         say(f"plan: {chosen.summary()}")
     base = _run_case(config, device, x, False, say, without)
-    free_memory(device)
+    free_memory()
     dist.barrier()
     off = _run_case(config, device, x, True, say, with_, chosen)
-    free_memory(device)
+    free_memory()
     return compare_runs(rank, config, base, off, chosen, keep_all, trace_dir)
 
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import gc
 from typing import Any
 
 import torch
+
+from offload_examples.instruments.measure import free_memory
 
 __all__ = ["DeviceLost", "device_usable"]
 
@@ -61,9 +62,7 @@ def _free(*engines: Any) -> None:
         for e in engines:
             if e is not None and hasattr(e, "release_buffers"):
                 e.release_buffers()
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_memory()
     except RuntimeError:  # after a sticky CUDA error every call raises it again: DeviceLost says why
         if not torch.cuda.is_initialized() or device_usable(torch.device("cuda", torch.cuda.current_device())):
             raise

@@ -3,7 +3,6 @@ steps, and the runs without and with offloading compared."""
 
 from __future__ import annotations
 
-import gc
 import statistics
 import time
 from pathlib import Path
@@ -17,12 +16,12 @@ from offload_examples import OffloadEngine
 from offload_examples.features.planner import KEEP, OFFLOAD, RECOMPUTE, Plan, plan, simulate_plan
 from offload_examples.instruments.fsdp.config import FsdpConfig
 from offload_examples.instruments.fsdp.trace import _profile, prefetch_comparison, stream_activity, timeline_figure
-from offload_examples.instruments.measure import deterministic_kernels, resident_vs_theory
+from offload_examples.instruments.measure import deterministic_kernels, free_memory, resident_vs_theory
 from offload_examples.instruments.models import build_basic_model
 from offload_examples.instruments.plan_costs import measure_costs, measure_link
 from offload_examples.instruments.timeline import StreamLane, stream_spans_from_trace
 
-__all__ = ["CHECK_STEPS", "build_layers", "compare_runs", "free_memory", "make_plan", "measure_training"]
+__all__ = ["CHECK_STEPS", "build_layers", "compare_runs", "make_plan", "measure_training"]
 
 #: Steps each run takes under deterministic kernels before it is timed: the gradients of the last
 #: one and the parameters after its optimizer step are compared (the second step uses AdamW's state).
@@ -54,7 +53,7 @@ def make_plan(config: FsdpConfig, device: torch.device, x: torch.Tensor) -> tupl
         keep_all, _ = simulate_plan([KEEP] * len(costs), costs, link)
         box[0] = plan(costs, link, budget_bytes=int(config.plan * keep_all)), keep_all
         del layers
-        free_memory(device)
+        free_memory()
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
@@ -123,13 +122,6 @@ def measure_training(model: nn.Module, stack: nn.Module, engine: OffloadEngine |
     if config.cpu_params:  # what FSDP keeps in (pinned) host memory: this rank's shards and their gradients
         out["host_param_bytes"] = sum(_local(t).nbytes for p in stack.parameters() for t in (p, p.grad) if t is not None)
     return out
-
-
-def free_memory(device: torch.device) -> None:
-    """Give the last case's memory back before the next one is measured."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -12,11 +12,10 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-
 from offload_examples.instruments.long_context import strategies as lc
 from offload_examples.instruments.long_context.memory import OutOfMemoryError
-from offload_examples.instruments.long_context.search import Probe, SearchResult, free_memory, longest_sequence
+from offload_examples.instruments.long_context.search import Probe, SearchResult, longest_sequence
+from offload_examples.instruments.measure import compare_tensors, free_memory
 
 __all__ = ["SHORT", "as_dict", "at_checkpoints_longest", "check_grads", "search_strategy"]
 
@@ -34,10 +33,9 @@ def check_grads(trainee: lc.Trainee, strategies: Sequence[str], resolution: int,
             setting = lc.choose(name, seq, trainee.layers, costs, None, host, check=True)
             grads, moved = lc.gradients_at(trainee, setting, seq, host)
         reference = reference or grads
-        equal = grads.keys() == reference.keys() and all(torch.equal(g, reference[k]) for k, g in grads.items())
-        diff = max(((g.float() - reference[k].float()).abs().max().item() for k, g in grads.items() if k in reference
-                    and g.shape == reference[k].shape), default=float("inf"))
-        out[name] = dict(equal=equal, max_abs_diff=diff, compared=len(grads), offloaded_bytes=moved, plan=setting.note)
+        check = compare_tensors(grads, reference)
+        out[name] = dict(equal=check.equal, max_abs_diff=check.max_abs_diff, compared=len(grads), offloaded_bytes=moved,
+                         plan=setting.note)
         offloaded += moved
     return out, offloaded
 
@@ -87,7 +85,7 @@ def search_strategy(trainee: lc.Trainee, name: str, costs: lc.CostModel | None, 
                     raise
                 if predicted and limit and setting.fits:  # it needed more than the limit: plan strictly below it now
                     error = max(error, limit / max(predicted - 1, 1) - 1)
-                free_memory()
+                free_memory(pinned=True)
                 continue  # what the model now chooses, or a fallback
             if predicted and ran.peak_bytes:
                 error = max(error, ran.peak_bytes / predicted - 1)

@@ -3,29 +3,29 @@
 :func:`longest_sequence` probes lengths that are multiples of a resolution. Each probe runs a training
 step (``run(seq)``, which returns a :class:`Probe`); one that runs out of memory raises
 ``torch.OutOfMemoryError``, which the search catches: it frees what the failed step held
-(:func:`free_memory`) and goes on. The first two probes (one and two resolutions) measure how the
-step's peak memory grows with the length; a line through the successful probes' peaks (a parabola
-once three are known, for attention kernels whose memory grows with the square of the length)
-predicts the longest length under the limit, and the next probes confirm it: the predicted length,
-then its neighbours, until a length that runs sits one resolution below one that does not (or at
-``max_seq``). A prediction that misses twice in a row gives way to bisection between the longest
-length that ran and the shortest that did not, and two successes in a row to steps that double, so
-the search ends after about ``log2(max_seq / resolution)`` probes at worst, and after three or four
+(:func:`~offload_examples.instruments.measure.free_memory`) and goes on. The first two probes (one and
+two resolutions) measure how the step's peak memory grows with the length; a line through the successful
+probes' peaks (a parabola once three are known, for attention kernels whose memory grows with the square
+of the length) predicts the longest length under the limit, and the next probes confirm it: the
+predicted length, then its neighbours, until a length that runs sits one resolution below one that does
+not (or at ``max_seq``). A prediction that misses twice in a row gives way to bisection between the
+longest length that ran and the shortest that did not, and two successes in a row to steps that double,
+so the search ends after about ``log2(max_seq / resolution)`` probes at worst, and after three or four
 where memory grows as measured.
 """
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from offload_examples.instruments.long_context.memory import OutOfMemoryError
+from offload_examples.instruments.measure import free_memory
 from offload_examples.instruments.report import format_bytes
 
-__all__ = ["Probe", "SearchResult", "free_memory", "longest_sequence", "predict_longest"]
+__all__ = ["Probe", "SearchResult", "longest_sequence", "predict_longest"]
 
 
 @dataclass
@@ -61,18 +61,6 @@ class SearchResult:
     def best(self) -> Probe | None:
         """The probe at ``longest`` (its last run), or ``None``."""
         return next((p for p in reversed(self.probes) if p.ok and p.seq == self.longest), None)
-
-
-def free_memory() -> None:
-    """Give back what a failed step left: its graph (the garbage collector breaks the cycles an
-    exception's frames make), CUDA's cached blocks, and the pinned host blocks PyTorch keeps."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        host_empty = getattr(torch._C, "_host_emptyCache", None)
-        if host_empty is not None:
-            host_empty()
 
 
 def predict_longest(points: list[tuple[int, int]], limit_bytes: int | None, resolution: int, max_seq: int) -> int:
@@ -130,7 +118,7 @@ def longest_sequence(run: Callable[[int], Probe], *, resolution: int, max_seq: i
         except OutOfMemoryError as e:
             p = Probe(seq, False, note=f"out of memory: {str(e).splitlines()[0][:120]}")
         if not p.ok:
-            free_memory()
+            free_memory(pinned=True)  # a step that ran out of memory may have pinned its copies
         result.probes.append(p)
         if p.ok:
             lo, streak = max(lo, seq), max(streak, 0) + 1
