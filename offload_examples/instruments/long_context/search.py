@@ -25,7 +25,7 @@ from offload_examples.instruments.long_context.memory import OutOfMemoryError
 from offload_examples.instruments.measure import free_memory
 from offload_examples.instruments.report import format_bytes
 
-__all__ = ["Probe", "SearchResult", "longest_sequence", "predict_longest"]
+__all__ = ["Probe", "SearchResult", "longest_multiple", "longest_sequence", "predict_longest"]
 
 
 @dataclass
@@ -77,11 +77,17 @@ def predict_longest(points: list[tuple[int, int]], limit_bytes: int | None, reso
     coeffs = torch.linalg.lstsq(torch.stack([xs ** d for d in range(degree + 1)], 1), ys[:, None]).solution[:, 0]
     if degree == 2 and coeffs[2] < 0:  # memory does not grow slower than linearly: fit a line instead
         degree, coeffs = 1, torch.linalg.lstsq(torch.stack([xs ** 0, xs], 1), ys[:, None]).solution[:, 0]
-    lo, hi = 0, max_seq // resolution  # in resolutions: the largest n with fitted(n * resolution) <= limit
+    return longest_multiple(lambda seq: sum(float(c) * float(seq) ** d for d, c in enumerate(coeffs)) <= limit_bytes,
+                            resolution, max_seq)
+
+
+def longest_multiple(fits: Callable[[int], bool], resolution: int, max_seq: int) -> int:
+    """The longest multiple of ``resolution``, at most ``max_seq``, for which ``fits`` holds (0 if none), by
+    bisection: ``fits`` must hold for every length below one where it holds, as a peak that grows does."""
+    lo, hi = 0, max_seq // resolution  # in resolutions
     while lo < hi:
         n = (lo + hi + 1) // 2
-        x = float(n * resolution)
-        if sum(float(c) * x ** d for d, c in enumerate(coeffs)) <= limit_bytes:
+        if fits(n * resolution):
             lo = n
         else:
             hi = n - 1

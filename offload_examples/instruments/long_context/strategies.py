@@ -39,7 +39,7 @@ from offload_examples.features.planner import (KEEP, OFFLOAD, RECOMPUTE, RECOMPU
 from offload_examples.instruments.measure import deterministic_kernels
 from offload_examples.instruments.long_context.memory import held_bytes, step_memory
 from offload_examples.instruments.long_context.model import decoder_layers, lora_step
-from offload_examples.instruments.long_context.search import Probe
+from offload_examples.instruments.long_context.search import Probe, longest_multiple
 from offload_examples.instruments.models import enable_activation_checkpointing
 
 __all__ = ["STRATEGIES", "CostModel", "Setting", "Trainee", "choose", "gradients_at", "least_memory",
@@ -264,14 +264,8 @@ def predicted_longest(strategy: str, costs: CostModel, layers: int, limit_bytes:
                       resolution: int, max_seq: int) -> int:
     """The longest multiple of ``resolution`` (at most ``max_seq``) at which the engine or the planner finds a
     setting that :class:`CostModel` predicts to fit: what their search tries first."""
-    lo, hi = 0, max_seq // resolution
-    while lo < hi:
-        n = (lo + hi + 1) // 2
-        if choose(strategy, n * resolution, layers, costs, limit_bytes, host_budget_bytes).fits:
-            lo = n
-        else:
-            hi = n - 1
-    return lo * resolution
+    return longest_multiple(lambda seq: choose(strategy, seq, layers, costs, limit_bytes, host_budget_bytes).fits,
+                            resolution, max_seq)
 
 
 @contextlib.contextmanager
