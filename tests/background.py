@@ -34,10 +34,9 @@ def start_docs_build() -> None:
         return
     # --keep-going writes the whole site even when a warning fails the build, so that the browser
     # tests still look at it; the build test fails on the warnings.
-    _docs = subprocess.Popen(
-        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-n", "-q", "-b", "html", str(ROOT), str(_work / "html")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-    )
+    args = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-n", "-q", "-b", "html", str(ROOT),
+            str(_work / "html")]
+    _docs = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
 
 
 def docs_build(timeout: float = 600) -> tuple[Path, subprocess.CompletedProcess]:

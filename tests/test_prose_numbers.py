@@ -510,7 +510,8 @@ QUOTED = [
            "offloaded host bytes equal the bytes without offloading within {} % of the offloaded bytes",
            _te_gpu_bars, "the bars tests/test_te_gpu.py sets"),
     Quoted("docs/reliability.md", "names the tests of the run's progress line in "
-           "`docs/evidence/h200-gpu-tests/gpu_suite_te.log`): {} passed, {} skipped", _suite_by_test, "h200-gpu-tests/gpu_suite_te_by_test.txt: each test's result, counted"),
+           "`docs/evidence/h200-gpu-tests/gpu_suite_te.log`): {} passed, {} skipped", _suite_by_test,
+           "h200-gpu-tests/gpu_suite_te_by_test.txt: each test's result, counted"),
     Quoted("docs/reliability.md", "the GPU tests of the pipeline and FSDP files: {} passed",
            _suite(f"{EVIDENCE}/2xh200-nccl/tests_2gpu.log", "passed"), "tests_2gpu.log: pytest's summary line"),
     # docs/planner.md

@@ -363,8 +363,7 @@ def free_memory(*, pinned: bool = False) -> None:
         return
     torch.cuda.synchronize()  # blocks still used by queued work are freed only once it has run
     torch.cuda.empty_cache()
-    host_empty = getattr(torch._C, "_host_emptyCache", None)  # torch >= 2.5
-    if pinned and host_empty is not None:
+    if pinned and (host_empty := getattr(torch._C, "_host_emptyCache", None)) is not None:  # torch >= 2.5
         host_empty()
 
 

@@ -45,7 +45,9 @@ from offload_examples.features.planner import Plan, apply_plan
 from offload_examples.instruments.cli import default_device
 from offload_examples.instruments.fsdp.cli import PLACEMENT, add_options, on_rank_zero
 from offload_examples.instruments.fsdp.config import FsdpConfig
-from offload_examples.instruments.fsdp.measure import CHECK_STEPS, build_layers, compare_runs, make_plan, measure_training
+from offload_examples.instruments.fsdp.measure import (
+    CHECK_STEPS, build_layers, compare_runs, make_plan, measure_training,
+)
 from offload_examples.instruments.fsdp.report import format_report
 from offload_examples.instruments.fsdp.trace import (
     prefetch_comparison, stream_activity, timeline_figure, timeline_figure_from_traces, trace_paths,

@@ -58,8 +58,8 @@ def _options(cost: LayerCost) -> list[tuple[Choice, str | None, int, int, float]
 
 def _prefix_front(costs: Sequence[LayerCost], link: LinkCost, k: int, cap: float,
                   last_cap: int | None = None, variant: Choice = OFFLOAD) -> list[tuple]:
-    """``(step_ms, peak_saved_bytes, (changes, host bytes, k), choices, (caps, modules))`` of the
-    non-dominated plans with the first ``k`` layers offloaded, all as ``variant`` (OFFLOAD, layer ``k - 1`` under the byte cap
+    """``(step_ms, peak_saved_bytes, (changes, host bytes, k), choices, (caps, modules))`` of the non-dominated plans
+    with the first ``k`` layers offloaded, all as ``variant`` (OFFLOAD, layer ``k - 1`` under the byte cap
     ``last_cap`` if given; or RECOMPUTE_OFFLOAD), the others kept or recomputed (whole or one submodule:
     :func:`_options`), and at most ``cap`` bytes resident."""
     n = len(costs)
