@@ -538,6 +538,8 @@ def test_per_choice_times_are_the_hook_free_runs_taking_turns(monkeypatch):
     assert runs == [kept, offloaded, recomputed] * 2 + [offloaded, recomputed, kept] + [recomputed, kept, offloaded]
     assert [(c.forward_ms, c.backward_ms) for c in costs] == [(1.0, 2.0), (1.0, 2.0)]
     assert [c.recompute_ms for c in costs] == [0.75, 0.75]  # every layer of the kind
+    # the quartiles over the rounds keep the spread the median leaves out: the slow round's 2.25 ms
+    assert [c.recompute_ms_quartiles for c in costs] == [(0.75, 1.5)] * 2
     # kept + what offloading added to the step (the forward's part showed in layer 1)
     assert costs[0].offloaded_forward_ms == 1.5 and costs[1].offloaded_forward_ms is None
     assert costs[0].offloaded_backward_ms == 9.0 and costs[1].offloaded_backward_ms is None
@@ -580,6 +582,8 @@ def test_a_faster_choice_is_noise_and_adds_nothing(monkeypatch):
     costs = plan_costs._per_choice([LayerCost(9.0, 9.0, 10, 2)] * 3, layers, torch.zeros(1, 2), steps=1)
     assert [(c.offloaded_forward_ms, c.offloaded_backward_ms, c.recompute_ms) for c in costs] == \
         [(1.0, 1.0, 0.0), (1.0, 1.0, 0.0), (None, None, 0.0)]
+    # the spread is not clipped: it shows the noise that the cost of 0 hides
+    assert [c.recompute_ms_quartiles for c in costs] == [(-0.5, -0.5)] * 3
 
 
 def test_busy_ms_takes_the_waits_for_copies_out():
@@ -962,6 +966,12 @@ def test_recomputing_a_submodule_is_chosen_where_it_frees_enough_for_less():
     assert simulate_plan((RECOMPUTE, KEEP), costs, link, modules=("mlp", None))[0] == keep_peak - 5 * mb
     assert layer.scaled(2.0).recompute_modules == (ModuleCost("mlp", 3 * mb, 2 * mb, 2.0),)
     assert LayerCost(**json.loads(json.dumps(dataclasses.asdict(layer)))) == layer  # as the bench stores costs
+    spread = dataclasses.replace(layer, recompute_ms_quartiles=(3.5, 4.5), recompute_modules=(
+        dataclasses.replace(mlp, recompute_ms_quartiles=(-0.25, 1.5)),))
+    assert LayerCost(**json.loads(json.dumps(dataclasses.asdict(spread)))) == spread
+    doubled = spread.scaled(2.0)
+    assert (doubled.recompute_ms_quartiles, doubled.recompute_modules[0].recompute_ms_quartiles) == \
+        ((7.0, 9.0), (-0.5, 3.0))
 
 
 def test_module_recompute_bad_input_says_what_is_wrong():
@@ -978,6 +988,10 @@ def test_module_recompute_bad_input_says_what_is_wrong():
         ModuleCost("mlp", -1, 5, 1.0)
     with pytest.raises(ValueError, match="non-empty str"):
         ModuleCost("", 1, 5, 1.0)
+    with pytest.raises(ValueError, match="lower <= upper"):
+        LayerCost(1.0, 1.0, 10, 1, recompute_ms_quartiles=(2.0, 1.0))
+    with pytest.raises(ValueError, match="recompute_ms_quartiles"):
+        ModuleCost("mlp", 1, 5, 1.0, recompute_ms_quartiles=(float("nan"), 1.0))
 
 
 def _basic(n=3, seed=1):

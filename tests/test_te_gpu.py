@@ -139,6 +139,11 @@ def test_gpu_compare_with_te_takes_turns_and_keeps_every_bit(te, cuda, recipe):
     for name in ("this engine", "Transformer Engine"):
         assert row[name]["bitwise_equal"], name
         assert row[name]["saving_bytes"] > 0, (name, row[name])
+        low, high = row[name]["step_ms_range"]
+        assert low <= row[name]["step_ms"] <= high, (name, row[name])
+        low, high = row[name]["overhead_range"]
+        assert low <= row[name]["overhead_quartiles"][0] <= row[name]["overhead"] <= high, (name, row[name])
+    assert row["this engine vs Transformer Engine"]["overhead"] > -1
 
 
 def test_gpu_te_plans_recompute_te_submodules_bitwise(te, cuda):

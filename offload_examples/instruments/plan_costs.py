@@ -129,7 +129,10 @@ def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 20,
     backwards per layer offloaded (the waits for copies left out: ``_busy_ms``; the planner's model
     adds its own), and ``recompute_ms`` what recomputing added to the step per layer recomputed:
     each the median over the rounds of the difference within a round, never below 0, the same for
-    every layer of the kind (``_per_choice``). The offloading runs pin host memory for the layers
+    every layer of the kind (``_per_choice``). ``recompute_ms_quartiles`` (a layer's, and each
+    :class:`~offload_examples.features.planner.ModuleCost`'s) are the lower and upper quartiles of
+    those differences over the rounds, not clipped at 0: how far the rounds spread around the
+    median the planner uses. The offloading runs pin host memory for the layers
     they offload, and give it back when they end.
 
     ``storage_modules`` (which submodule saved each storage: what a byte cap takes, in names) come
@@ -519,23 +522,35 @@ def _per_choice(costs: list[LayerCost], layers: Sequence[nn.Module], source: tor
             engine.pool.release()
     kept_f, kept_b = _medians([r["kept"] for r in rounds], n)
 
+    def per_round(run: object, phases: tuple[int, ...]) -> list[float]:
+        return [sum(sum(r[run][p]) - sum(r["kept"][p]) for p in phases) for r in rounds]
+
     def added(run: object, phases: tuple[int, ...], layers_changed: int) -> float:
         # Neither choice makes compute faster: a shorter step is noise, which would make the
         # planner offload or recompute for speed, so nothing adds less than 0.
-        more = statistics.median(sum(sum(r[run][p]) - sum(r["kept"][p]) for p in phases) for r in rounds)
-        return max(0.0, more) / layers_changed
+        return max(0.0, statistics.median(per_round(run, phases))) / layers_changed
+
+    def quartiles(run: object, layers_changed: int) -> tuple[float, float]:
+        # how far the rounds spread around ``added``: unclipped, so that noise as large as the
+        # cost shows as a lower quartile below 0
+        values = per_round(run, (0, 1))
+        low, high = (statistics.quantiles(values, n=4, method="inclusive")[::2] if len(values) > 1
+                     else values * 2)
+        return low / layers_changed, high / layers_changed
 
     out = list(costs)
     for g, (members, offloaded, recomputed) in enumerate(samples):
         off = (added(("offloaded", g), (0,), len(offloaded)), added(("offloaded", g), (1,), len(offloaded))) \
             if offloaded else None
         rec = added(("recomputed", g), (0, 1), len(recomputed))
+        rec_quartiles = quartiles(("recomputed", g), len(recomputed))
         first = costs[members[0]]
         under = _bytes_under(first)
 
         def again(module: str) -> int:  # held again during the backward: what the module saves (at most the layer's)
             return under.get(module, 0) if first.storage_modules is not None else first.saved_bytes
-        modules = tuple(ModuleCost(run[2], kept_bytes[run], again(run[2]), added(run, (0, 1), len(recomputed)))
+        modules = tuple(ModuleCost(run[2], kept_bytes[run], again(run[2]), added(run, (0, 1), len(recomputed)),
+                                   quartiles(run, len(recomputed)))
                         for run in timed if run[0] == "module" and run[1] == g
                         and kept_bytes[run] < first.saved_bytes)  # one that frees nothing: never worth it
         for i in members:
@@ -543,6 +558,7 @@ def _per_choice(costs: list[LayerCost], layers: Sequence[nn.Module], source: tor
             timed_off = off is not None and i < n - 1
             out[i] = dataclasses.replace(
                 costs[i], forward_ms=kept_f[i], backward_ms=kept_b[i], recompute_ms=rec, recompute_modules=modules,
+                recompute_ms_quartiles=rec_quartiles,
                 offloaded_forward_ms=kept_f[i] + off[0] if timed_off else None,
                 offloaded_backward_ms=kept_b[i] + off[1] if timed_off else None)
     return out

@@ -3,13 +3,13 @@
 The model has the shape of Transformer Engine's CPU-offloading tutorial: every layer an
 ``nn.Linear`` followed by a ``te.TransformerLayer``. :func:`compare_with_te` trains it three
 ways under one precision recipe (bf16, or FP8 autocast with one of TE's scaling recipes):
-without offloading, with this package's ``get_cpu_offload_context`` and with TE's, and reports
-each one's peak-memory saving, step time, and whether its output and gradients equal the run
-without offloading bit for bit. Every run has a model of its own, built the same way (TE's FP8
-scaling bookkeeping is global, keyed by the recipe's settings, so runs of one recipe still share
-it), and the runs take turns step by step
-(:func:`~offload_examples.instruments.measure.measure_round_robin`): on these small, launch-bound
-layers a step's time drifts with the host's speed by more than the offloads differ, and
+without offloading, with this package's ``get_cpu_offload_context`` and with TE's. It reports each
+one's peak-memory saving, its step time and overhead with their spreads, and whether its output and
+gradients equal the run without offloading bit for bit; and the two offloads against each other,
+round by round. Every run has a model of its own, built the same way (TE's FP8 scaling bookkeeping is global,
+keyed by the recipe's settings, so runs of one recipe still share it), and the runs take turns step
+by step (:func:`~offload_examples.instruments.measure.measure_round_robin`): on these small,
+launch-bound layers a step's time drifts with the host's speed by more than the offloads differ, and
 separate runs of a few steps each compared that drift rather than the offloads. It needs CUDA and
 Transformer Engine.
 """
@@ -17,6 +17,7 @@ Transformer Engine.
 from __future__ import annotations
 
 import contextlib
+import statistics
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
@@ -26,10 +27,11 @@ from torch import nn
 
 from offload_examples.core import te_path
 from offload_examples.core.api import get_cpu_offload_context
-from offload_examples.instruments.measure import compare_grads, measure_round_robin, paired_overhead, training_step
+from offload_examples.instruments.measure import (Measurement, compare_grads, measure_round_robin, paired_overhead,
+                                                  training_step)
 from offload_examples.instruments.models import import_transformer_engine
 
-__all__ = ["RECIPES", "TeModel", "compare_with_te", "fp8_autocast", "te_tutorial_model"]
+__all__ = ["RECIPES", "TeModel", "compare_with_te", "fp8_autocast", "summarize", "te_tutorial_model"]
 
 #: The precision recipes an H100 runs: bf16, and FP8 with TE's delayed and current scaling.
 RECIPES = ("bf16", "DelayedScaling", "Float8CurrentScaling")
@@ -88,15 +90,51 @@ def _te_step(model: nn.ModuleList, x: torch.Tensor, ctx: Any, sync: Any, recipe:
         return training_step(model, x, ctx, sync)
 
 
+def _pairs(times: list[float], reference_ms: list[float]) -> dict[str, Any]:
+    """Round by round ``time / reference - 1``: the median (:func:`paired_overhead`), the quartiles and
+    the extremes over the rounds."""
+    ratios = [t / r - 1 for t, r in zip(times, reference_ms)]
+    # the inclusive method stays within the extremes, and takes two rounds or more
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+    return {"overhead": paired_overhead(times, reference_ms), "overhead_quartiles": [q1, q3],
+            "overhead_range": [min(ratios), max(ratios)]}
+
+
+def summarize(measured: dict[str, Measurement], recipe: str, k: int) -> dict[str, Any]:
+    """The report of :func:`compare_with_te` from the runs its round robin measured (by name)."""
+    base = measured["no offload"]
+    out: dict[str, Any] = {"recipe": recipe, "k": k,
+                           "deterministic": compare_grads(base, measured["no offload, again"]).equal}
+    for name, m in measured.items():
+        out[name] = {
+            # what one step added to memory (the other runs' models and gradients are allocated too)
+            "activation_peak_bytes": m.activation_peak_bytes,
+            "saving_bytes": base.activation_peak_bytes - m.activation_peak_bytes,
+            "step_ms": m.median_ms,
+            "step_ms_range": [min(m.step_ms), max(m.step_ms)],
+            **_pairs(m.step_ms, base.step_ms),
+            "bitwise_equal": compare_grads(base, m).equal,
+        }
+    # the two offloads compared round by round: the difference of their overheads against the run
+    # without offloading would carry the spread of both
+    out["this engine vs Transformer Engine"] = _pairs(measured["this engine"].step_ms,
+                                                      measured["Transformer Engine"].step_ms)
+    return out
+
+
 def compare_with_te(size: TeModel, k: int, recipe: str = "bf16", steps: int = 10) -> dict[str, Any]:
     """Train without offloading, with this engine and with TE's offloading of the first ``k`` layers.
 
     Returns a row per run: ``activation_peak_bytes`` (the most one step added to memory),
     ``saving_bytes`` (that of the run without offloading minus this run's), ``step_ms`` (median of
-    ``steps``), ``overhead`` (against the run without offloading: the median over rounds of the ratio,
-    less one) and ``bitwise_equal`` (output and every
-    gradient equal to the run without offloading). A second run without offloading checks that the
-    model is deterministic here (``"deterministic"``), so a difference can only come from the offloading.
+    ``steps``) and ``step_ms_range`` (its fastest and slowest step), ``overhead`` (against the run
+    without offloading: the median over the rounds of the ratio, less one) with ``overhead_quartiles``
+    and ``overhead_range`` (the first and third quartile, and the extremes, of that ratio less one over
+    the rounds), and ``bitwise_equal`` (output and every gradient equal to the run without offloading).
+    A second run without offloading (``"no offload, again"``) checks that the model is deterministic here
+    (``"deterministic"``), so a difference can only come from the offloading; its overhead, between two
+    runs of the same step, is what the measurement itself leaves. ``"this engine vs Transformer
+    Engine"`` compares the two offloads round by round (``overhead`` and its spread, as in the rows).
     The runs take turns step by step, after two warm-up rounds; with the default ``steps`` every run
     comes right after every other one equally often.
 
@@ -130,17 +168,4 @@ def compare_with_te(size: TeModel, k: int, recipe: str = "bf16", steps: int = 10
         fp8_recipe = None if recipe == "bf16" else getattr(recipes, recipe)()  # made once, not every step
         on_path = name != "no offload, TE's default path"
         runs[name] = (model, own_x, partial(_te_step, model, own_x, ctx, sync, recipe, fp8_recipe, on_path))
-    measured = measure_round_robin(runs, steps=steps)
-    base = measured.pop("no offload")
-    again = measured.pop("no offload, again")
-    out: dict[str, Any] = {"recipe": recipe, "k": k, "deterministic": compare_grads(base, again).equal}
-    for name, m in {"no offload": base, **measured}.items():
-        out[name] = {
-            # what one step added to memory (the other runs' models and gradients are allocated too)
-            "activation_peak_bytes": m.activation_peak_bytes,
-            "saving_bytes": base.activation_peak_bytes - m.activation_peak_bytes,
-            "step_ms": m.median_ms,
-            "overhead": paired_overhead(m.step_ms, base.step_ms),
-            "bitwise_equal": compare_grads(base, m).equal,
-        }
-    return out
+    return summarize(measure_round_robin(runs, steps=steps), recipe, k)

@@ -51,6 +51,24 @@ def _check(cls: str, name: str, value: Any, kind: type) -> None:
         raise ValueError(f"{cls}.{name} must be a finite {kind.__name__} >= 0, got {value!r}")
 
 
+def _check_quartiles(cost: Any, cls: str) -> None:
+    """``cost.recompute_ms_quartiles``: ``None`` or two finite times, the lower first (a list read back
+    from JSON becomes a tuple). Either may be below 0: they are differences of two runs' steps."""
+    quartiles = cost.recompute_ms_quartiles
+    if quartiles is None:
+        return
+    quartiles = tuple(quartiles)
+    if len(quartiles) != 2 or not all(isinstance(q, (int, float)) and not isinstance(q, bool) and math.isfinite(q)
+                                      for q in quartiles) or quartiles[0] > quartiles[1]:
+        raise ValueError(f"{cls}.recompute_ms_quartiles must be None or (lower, upper), two finite times with "
+                         f"lower <= upper, got {cost.recompute_ms_quartiles!r}")
+    object.__setattr__(cost, "recompute_ms_quartiles", quartiles)
+
+
+def _scaled(quartiles: tuple[float, float] | None, factor: float) -> tuple[float, float] | None:
+    return None if quartiles is None else (quartiles[0] * factor, quartiles[1] * factor)
+
+
 #: :class:`LayerCost`'s times, in milliseconds (the other fields are bytes).
 TIME_FIELDS = ("forward_ms", "backward_ms", "offloaded_forward_ms", "offloaded_backward_ms", "recompute_ms")
 
@@ -74,12 +92,15 @@ class ModuleCost:
     module_bytes: int
     #: What recomputing it adds to the step (ms), counted in the layer's backward.
     recompute_ms: float
+    # the spread behind recompute_ms, as LayerCost.recompute_ms_quartiles
+    recompute_ms_quartiles: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.module, str) or not self.module:
             raise ValueError(f"ModuleCost.module must name a submodule (a non-empty str), got {self.module!r}")
         for name, kind in (("kept_bytes", int), ("module_bytes", int), ("recompute_ms", float)):
             _check("ModuleCost", name, getattr(self, name), kind)
+        _check_quartiles(self, "ModuleCost")
 
 
 @dataclass(frozen=True)
@@ -109,6 +130,9 @@ class LayerCost:
     storage_modules: tuple[str, ...] | None = None
     #: Submodules that may be recomputed alone, each with what that keeps and costs (one per name).
     recompute_modules: tuple[ModuleCost, ...] = ()
+    # the spread behind recompute_ms: the lower and upper quartiles (ms) over the rounds of what recomputing
+    # added per layer, not clipped at 0 (a lower quartile below 0: noise as large as the cost); None: not measured
+    recompute_ms_quartiles: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         for name, kind in (("forward_ms", float), ("backward_ms", float), ("saved_bytes", int), ("input_bytes", int),
@@ -133,11 +157,15 @@ class LayerCost:
         object.__setattr__(self, "recompute_modules", options)
         if not all(isinstance(m, ModuleCost) for m in options) or len({m.module for m in options}) != len(options):
             raise ValueError("LayerCost.recompute_modules must be ModuleCost entries, one per module name")
+        _check_quartiles(self, "LayerCost")
 
     def scaled(self, factor: float) -> LayerCost:
         """The same costs with every time multiplied by ``factor`` (the bytes unchanged)."""
-        modules = tuple(dataclasses.replace(m, recompute_ms=m.recompute_ms * factor) for m in self.recompute_modules)
+        modules = tuple(dataclasses.replace(m, recompute_ms=m.recompute_ms * factor,
+                                            recompute_ms_quartiles=_scaled(m.recompute_ms_quartiles, factor))
+                        for m in self.recompute_modules)
         return dataclasses.replace(self, recompute_modules=modules,
+                                   recompute_ms_quartiles=_scaled(self.recompute_ms_quartiles, factor),
                                    **{name: getattr(self, name) * factor for name in TIME_FIELDS
                                       if getattr(self, name) is not None})
 
