@@ -42,23 +42,18 @@ exclude_patterns = ["_build", "**/.ipynb_checkpoints", "docs/snippets/**", "docs
 # every page that quotes them through these keys follows. (Plain strings: the tests read this dict
 # without running conf.py.)
 stored_sources = {
-    # the full benchmark on one H100: every strategy, four models, 20 layers (docs/benchmarks.md)
-    "bench": "docs/evidence/h100-bench/bench.json",
-    "model-A": "docs/evidence/h100-bench/bench.json#models[A]",  # Transformer Engine's layers
-    "model-A-torch": "docs/evidence/h100-bench/bench.json#models[A-torch]",  # model A's shapes, PyTorch's layers
-    "model-B": "docs/evidence/h100-bench/bench.json#models[B]",  # PyTorch's layer with its defaults (ReLU, dropout)
-    "model-A-wide": "docs/evidence/h100-bench/bench.json#models[A-wide]",  # TE layers, twice the width, half the batch
+    # the benchmark on one H200: every strategy, models A and A-torch, 20 layers, k = 2 and 4 (docs/benchmarks.md)
+    "bench": "docs/evidence/h200-bench/bench.json",
+    "model-A": "docs/evidence/h200-bench/bench.json#models[A]",  # Transformer Engine's layers
+    "model-A-torch": "docs/evidence/h200-bench/bench.json#models[A-torch]",  # model A's shapes, PyTorch's layers
     # output and gradients of one step against a plain step, bit for bit: four layers of models A and A-torch
-    "grads-A": "docs/evidence/h100-bench/bench_grads.json#models[A]",
-    "grads-A-torch": "docs/evidence/h100-bench/bench_grads.json#models[A-torch]",
+    "grads-A": "docs/evidence/h200-bench/bench_grads.json#models[A]",
+    "grads-A-torch": "docs/evidence/h200-bench/bench_grads.json#models[A-torch]",
     # torchtune's gradients against a plain step, with and without deterministic kernels
-    "torchtune-grads": "docs/evidence/h100-bench/torchtune_probe.txt",
-    "torchtune-grads-det": "docs/evidence/h100-bench/torchtune_probe_deterministic.txt",
-    # model A (TE layers, 20 layers): the engine against Transformer Engine's offload on one H200
-    "h200-bench": "docs/evidence/h200-te-bench/bench.json",
-    "h200-model-A": "docs/evidence/h200-te-bench/bench.json#models[A]",
+    "torchtune-grads": "docs/evidence/h200-bench/torchtune_probe.txt",
+    "torchtune-grads-det": "docs/evidence/h200-bench/torchtune_probe_deterministic.txt",
     # the planner against pure offloading and pure recomputation, three models of 12 layers, one H100
-    "planner-bench": "docs/evidence/h100-planner-bench/bench.json",
+    "planner-bench": "docs/evidence/h200-planner-bench/bench.json",
     # where the host time goes on Transformer Engine's launch-bound layers (model A, one H100)
     "te-forward": "docs/evidence/h100-te-host-time/diag25.json#summary",  # a step's forward, variant by variant
     "te-forward-layers": "docs/evidence/h100-te-host-time/diag25_layers.json",  # the same, layer by layer

@@ -131,6 +131,42 @@ def test_a_strategy_that_leaves_the_device_unusable_is_left_out_and_the_model_st
         isolation._model(("B", config, torch.device("cuda"), None, False, None), ProgressBar(5, io.StringIO()), 5, False)
 
 
+def test_a_fault_reported_when_a_run_ends_is_that_runs_not_the_next(monkeypatch):
+    """CUDA reports a fault at the next synchronizing call: work a strategy queued last fails the
+    synchronize that frees its memory. That strategy is left out, not the next one to run."""
+    real, lost = strategies.make_forward, []
+
+    def faulting_late(strategy, *args):
+        forward, engine = real(strategy, *args)
+        if strategy != "save_on_cpu":
+            return forward, engine
+
+        def late(x):
+            lost.append(True)  # its last work faults after it returned: the device is unusable from here
+            return forward(x)
+        return late, engine
+
+    def free_memory(*args, **kwargs):
+        if lost:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(strategies, "make_forward", faulting_late)
+    monkeypatch.setattr(faults, "device_usable", lambda device: not lost)
+    monkeypatch.setattr(faults, "free_memory", free_memory)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    config = bench.BenchConfig.tiny(models=("B",), ks=(1,), strategies=("no offload", "save_on_cpu", "checkpoint"))
+    first_try = []
+    monkeypatch.setattr(model_grid, "_bench_model", _recording(model_grid._bench_model, first_try, lost))
+    results = bench.run(config, "cpu", stream=io.StringIO())
+    runs = {r["strategy"]: r for r in results["models"][0]["runs"]}
+    assert first_try == [set(), {"save_on_cpu"}]
+    assert runs["save_on_cpu"]["status"] == "skipped"
+    assert runs["save_on_cpu"]["reason"].endswith("(RuntimeError: CUDA error: an illegal memory access was "
+                                                  "encountered, reported when its memory was freed)")
+    assert runs["checkpoint"]["status"] == "ok"
+
+
 def test_a_lost_device_in_the_planner_or_a_pair_by_pair_run_leaves_out_only_that_run(monkeypatch):
     """The planner's costs, and the engine against TE pair by pair, run outside the strategies' rows: a
     lost device there leaves out the planner, or the pairs, and every other row still runs."""

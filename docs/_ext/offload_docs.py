@@ -320,7 +320,7 @@ def drop_unread_modules(app) -> list:
 #   {stored}`bench:models[A].runs[engine,k=2].overhead|+pct`   a JSON value, formatted: "+1.4 %"
 #   {stored}`concepts:"d2h pageable"`                           a number a notebook printed: "13.5 GB/s"
 #
-# A source may name a part of a JSON file ("docs/evidence/h100-bench/bench.json#models[A]" for model
+# A source may name a part of a JSON file ("docs/evidence/h200-bench/bench.json#models[A]" for model
 # A's results). A JSON path is keys and list positions separated by dots; ``[...]`` picks the one
 # element of a list whose fields match (``key=value``, or a bare value that any field equals; ``\,``
 # is a comma inside a value), or a key of a dict. A text source (a notebook's outputs, a Markdown or

@@ -14,7 +14,7 @@ from pathlib import Path
 from offload_examples.instruments import plots
 
 #: The stored run (the plot directive runs this file from its own folder).
-RESULTS = json.loads((Path("..") / "evidence" / "h100-bench" / "bench.json").read_text())
+RESULTS = json.loads((Path("..") / "evidence" / "h200-bench" / "bench.json").read_text())
 MODELS = ("A-torch", "A")
 
 

@@ -311,6 +311,14 @@ def _figure_legend(fig: Figure, axes: Sequence[Axes]) -> None:
                    fontsize=BENCH_FONT, frameon=False)
 
 
+def _k_axis(ax: Axes) -> None:
+    """An x axis of treated layers: whole numbers only, however few values of ``k`` the run has."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_xlabel("layers treated (k)", fontsize=BENCH_FONT)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def _ok_runs(model: Mapping[str, Any], strategy: str) -> list[Mapping[str, Any]]:
     return sorted((r for r in model["runs"] if r["strategy"] == strategy and r["status"] == "ok"),
                   key=lambda r: r["k"])
@@ -343,7 +351,7 @@ def plot_bench_saving(results: Mapping[str, Any], models: Sequence[str] | None =
                         ms=5, label=label)
         if not ax.lines:
             _no_memory(ax)
-        ax.set_xlabel("layers treated (k)", fontsize=BENCH_FONT)
+        _k_axis(ax)
         ax.set_ylabel("freed, % of the prediction", fontsize=BENCH_FONT)
     _figure_legend(fig, axes)
     return fig
@@ -405,7 +413,7 @@ def plot_bench_overhead(results: Mapping[str, Any], models: Sequence[str] | None
                     "k--", lw=1, label="copy bound")
             if pred.get("copies_stop_fitting_at_k"):
                 ax.axvline(pred["copies_stop_fitting_at_k"], color="k", ls=":", lw=1, label="copies stop fitting")
-        ax.set_xlabel("layers treated (k)", fontsize=BENCH_FONT)
+        _k_axis(ax)
         ax.set_ylabel("step time added (%)", fontsize=BENCH_FONT)
     _figure_legend(fig, axes)
     return fig

@@ -57,12 +57,21 @@ def device_usable(device: torch.device) -> bool:
         return False
 
 
-def _free(*engines: Any) -> None:
+def _free(*engines: Any, run: str = "", k: int = 0) -> None:
+    """Give ``engines``' pinned buffers and the allocators' caches back after ``run`` (at ``k``).
+
+    :func:`~offload_examples.instruments.measure.free_memory` synchronizes the device first, so a fault
+    of work that ``run`` queued last (CUDA reports it at the next synchronizing call) surfaces here,
+    not in the next run: it raises :class:`DeviceLost` for ``run``, which would otherwise keep an "ok"
+    row while the next strategy took the blame. Without ``run`` the error is left to the next call.
+    """
     try:
         for e in engines:
             if e is not None and hasattr(e, "release_buffers"):
                 e.release_buffers()
         free_memory()
-    except RuntimeError:  # after a sticky CUDA error every call raises it again: DeviceLost says why
+    except RuntimeError as err:  # after a sticky CUDA error every call raises it again
         if not torch.cuda.is_initialized() or device_usable(torch.device("cuda", torch.cuda.current_device())):
             raise
+        if run:
+            raise DeviceLost(run, k, f"{_reason(err)}, reported when its memory was freed") from err

@@ -222,7 +222,7 @@ def _plan_against(run: dict[str, Any], best: dict[str, Any], model: nn.ModuleLis
     finally:
         model.zero_grad(set_to_none=True)
         x.grad = None
-        _free(*engines)
+        _free(*engines, run=PLAN_PAIRS_RUN, k=run["k"])
 
 
 def _planner_check(run: dict[str, Any], runs: list[dict[str, Any]], timed: bool) -> dict[str, Any]:

@@ -77,7 +77,7 @@ def _run_strategy(strategy: str, model: nn.ModuleList, x: torch.Tensor, k: int, 
     finally:
         model.zero_grad(set_to_none=True)
         x.grad = None
-        _free(engine)
+        _free(engine, run=strategy, k=k)
 
 
 def _result(strategy: str, k: int, m, base, theory: int | None) -> dict[str, Any]:
@@ -132,7 +132,7 @@ def _head_to_head(model: nn.ModuleList, x: torch.Tensor, k: int, device: torch.d
     finally:
         model.zero_grad(set_to_none=True)
         x.grad = None
-        _free(engine)
+        _free(engine, run=HEAD_TO_HEAD_RUN, k=k)
 
 
 def _host_copies(model: nn.ModuleList, x: torch.Tensor) -> list[torch.Tensor]:
