@@ -51,6 +51,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With ``OFFLOAD_EXAMPLES_TEST_LOG=FILE``, each test's outcome and seconds are appended to FILE as the
+    test ends: a run stopped by a time limit (a GPU node's call) still says what each finished test took,
+    where ``--durations`` prints only at the end."""
+    path = os.environ.get("OFFLOAD_EXAMPLES_TEST_LOG")
+    if not path or not (report.when == "call" or report.outcome != "passed"):
+        return
+    with open(path, "a") as log:  # setup and teardown lines only when they fail or skip
+        log.write(f"{report.outcome:8s}{report.duration:9.2f}s  {report.when:8s} {report.nodeid}\n")
+
+
 @pytest.fixture
 def _require_gpu() -> None:
     pytest.fail("OFFLOAD_EXAMPLES_REQUIRE_GPU=1 but CUDA is not available")
