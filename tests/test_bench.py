@@ -543,7 +543,7 @@ def test_measurement_progress_is_short_unless_steps_are_slow():
 @pytest.mark.gpu
 def test_bench_short_gpu_run(tmp_path):
     """Every installed strategy completes on the GPU, or, another library's only, is left out after it left the
-    device unusable (torchtune on TE's layers did, in the H100 suite of 2026-11-25); the engine saves what its
+    device unusable (torchtune on TE's layers can, with an illegal memory access); the engine saves what its
     schedule predicts."""
     config = bench.BenchConfig(models=("A",), ks=(2,), layers=6, seq=512, steps=3, warmup=2)
     results = bench.run(config, "cuda", stream=io.StringIO())
@@ -563,7 +563,7 @@ def test_bench_short_gpu_run(tmp_path):
         assert strategy not in runs or runs[strategy]["grads"]["equal"] is True, (strategy, runs[strategy]["grads"])
     engine = runs["engine"]
     # Of what the layers' forwards hold (the allocator's count), torch layers free all; with TE layers
-    # the engine freed 97.8 % on the H100 on 2026-11-23 (the rest is not explained yet).
+    # the engine frees 99.4 % in the stored H200 benchmark (docs/evidence/h200-bench), the bar a little lower.
     assert engine["saving_ratio"] >= (0.97 if model["layer_kind"] == TE_LAYER else 0.99)
     assert engine["bound_ms"] > 0 and engine["d2h_gb_per_s"] > 0 and engine["h2d_gb_per_s"] > 0
     assert runs["checkpoint"]["saving_bytes"] > 0

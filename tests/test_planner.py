@@ -689,7 +689,7 @@ def test_a_noisy_difference_does_not_make_a_layer_its_own_kind():
 
 def test_a_bare_cuda_device_means_the_current_one(monkeypatch):
     """``torch.device("cuda")`` is not ``cuda:0``: an engine built with it compared every saved tensor
-    with a device none of them is on and kept them all (notebook 07 on the H100: offloading freed nothing)."""
+    with a device none of them is on and kept them all: offloading then freed nothing."""
     from offload_examples.core.streams import resolve_device
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
