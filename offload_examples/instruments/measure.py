@@ -12,7 +12,7 @@ import gc
 import statistics
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,7 +21,8 @@ from torch import nn
 __all__ = [
     "GradCheck", "Measurement", "StepReport", "balanced_orders", "compare_grads", "compare_tensors",
     "deterministic_kernels", "free_memory", "measure_paired", "measure_round_robin", "measure_stage_steps",
-    "measure_steps", "memory_by_phase", "paired_overhead", "resident_vs_theory", "snapshot", "training_step",
+    "measure_steps", "memory_by_phase", "paired_overhead", "quartiles", "resident_vs_theory", "snapshot",
+    "training_step",
 ]
 
 Progress = Callable[[str], None]
@@ -351,6 +352,15 @@ def measure_round_robin(runs: Mapping[str, Run], *, steps: int = 10, warmup: int
 def paired_overhead(times: list[float], reference_ms: list[float]) -> float:
     """Median over pairs of ``time / reference - 1``."""
     return statistics.median(t / r for t, r in zip(times, reference_ms)) - 1
+
+
+def quartiles(values: Sequence[float]) -> tuple[float, float]:
+    """The lower and upper quartile of ``values`` (at least one). The inclusive method stays within the
+    extremes, so a spread over a few rounds never reaches beyond what a round measured."""
+    if len(values) == 1:
+        return values[0], values[0]
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q3
 
 
 def free_memory(*, pinned: bool = False) -> None:

@@ -50,7 +50,7 @@ from offload_examples.core.errors import OffloadWarning
 from offload_examples.core.layer_state import LayerStats
 from offload_examples.features.planner import (TIME_FIELDS, Checkpointed, LayerCost, LinkCost, ModuleCost,
                                                  offload_schedule)
-from offload_examples.instruments.measure import balanced_orders, training_step
+from offload_examples.instruments.measure import balanced_orders, quartiles, training_step
 from offload_examples.instruments.timeline import Span, per_layer_ms, record_layer_timeline
 
 __all__ = ["measure_costs", "measure_link", "module_candidates"]
@@ -530,12 +530,10 @@ def _per_choice(costs: list[LayerCost], layers: Sequence[nn.Module], source: tor
         # planner offload or recompute for speed, so nothing adds less than 0.
         return max(0.0, statistics.median(per_round(run, phases))) / layers_changed
 
-    def quartiles(run: object, layers_changed: int) -> tuple[float, float]:
+    def spread(run: object, layers_changed: int) -> tuple[float, float]:
         # how far the rounds spread around ``added``: unclipped, so that noise as large as the
         # cost shows as a lower quartile below 0
-        values = per_round(run, (0, 1))
-        low, high = (statistics.quantiles(values, n=4, method="inclusive")[::2] if len(values) > 1
-                     else values * 2)
+        low, high = quartiles(per_round(run, (0, 1)))
         return low / layers_changed, high / layers_changed
 
     out = list(costs)
@@ -543,14 +541,14 @@ def _per_choice(costs: list[LayerCost], layers: Sequence[nn.Module], source: tor
         off = (added(("offloaded", g), (0,), len(offloaded)), added(("offloaded", g), (1,), len(offloaded))) \
             if offloaded else None
         rec = added(("recomputed", g), (0, 1), len(recomputed))
-        rec_quartiles = quartiles(("recomputed", g), len(recomputed))
+        rec_quartiles = spread(("recomputed", g), len(recomputed))
         first = costs[members[0]]
         under = _bytes_under(first)
 
         def again(module: str) -> int:  # held again during the backward: what the module saves (at most the layer's)
             return under.get(module, 0) if first.storage_modules is not None else first.saved_bytes
         modules = tuple(ModuleCost(run[2], kept_bytes[run], again(run[2]), added(run, (0, 1), len(recomputed)),
-                                   quartiles(run, len(recomputed)))
+                                   spread(run, len(recomputed)))
                         for run in timed if run[0] == "module" and run[1] == g
                         and kept_bytes[run] < first.saved_bytes)  # one that frees nothing: never worth it
         for i in members:

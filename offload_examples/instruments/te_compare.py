@@ -17,7 +17,6 @@ Transformer Engine.
 from __future__ import annotations
 
 import contextlib
-import statistics
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
@@ -28,7 +27,7 @@ from torch import nn
 from offload_examples.core import te_path
 from offload_examples.core.api import get_cpu_offload_context
 from offload_examples.instruments.measure import (Measurement, compare_grads, measure_round_robin, paired_overhead,
-                                                  training_step)
+                                                  quartiles, training_step)
 from offload_examples.instruments.models import import_transformer_engine
 
 __all__ = ["RECIPES", "TeModel", "compare_with_te", "fp8_autocast", "summarize", "te_tutorial_model"]
@@ -94,9 +93,7 @@ def _pairs(times: list[float], reference_ms: list[float]) -> dict[str, Any]:
     """Round by round ``time / reference - 1``: the median (:func:`paired_overhead`), the quartiles and
     the extremes over the rounds."""
     ratios = [t / r - 1 for t, r in zip(times, reference_ms)]
-    # the inclusive method stays within the extremes, and takes two rounds or more
-    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
-    return {"overhead": paired_overhead(times, reference_ms), "overhead_quartiles": [q1, q3],
+    return {"overhead": paired_overhead(times, reference_ms), "overhead_quartiles": list(quartiles(ratios)),
             "overhead_range": [min(ratios), max(ratios)]}
 
 

@@ -43,8 +43,9 @@ any fraction. ``fraction=0.0`` is bitwise equal on any device: everything then g
 plain ``optimizer_class(params, **kwargs)``. On a GPU the offloaded part runs CPU kernels while
 the plain optimizer runs CUDA kernels, which round differently. In the optimizer-offload notebook's
 run on an H200 (fp32, Adam, lr 1e-3) the parameters differ by at most 1.9e-9 after one step and
-5.3e-3 after 15 steps. The growth is Adam's, not the copies': the first step's rounding differences change the next gradients slightly, and Adam's
-normalisation turns a sign change of a near-zero gradient into a step of size ``lr``.
+5.3e-3 after 15 steps. The growth is Adam's, not the copies': the first step's rounding differences
+change the next gradients slightly, and Adam's normalisation turns a sign change of a near-zero
+gradient into a step of size ``lr``.
 
 Options
 -------
