@@ -725,6 +725,36 @@ def test_round_robin_takes_turns_and_keeps_each_runs_last_step():
         measure_round_robin({})
 
 
+def test_overhead_spread_is_the_median_ratio_with_its_quartiles_and_extremes():
+    """Round by round ``time / reference - 1``: the median, the inclusive quartiles (within the extremes,
+    the extremes themselves for one round) and the lowest and highest round; rounds beyond the shorter
+    list are left out."""
+    from offload_examples.instruments.measure import overhead_spread
+
+    out = overhead_spread([11.0, 12.0, 13.0, 14.0, 15.0, 99.0], [10.0] * 5)
+    assert out["overhead"] == pytest.approx(0.3) and out["overhead_range"] == pytest.approx([0.1, 0.5])
+    assert out["overhead_quartiles"] == pytest.approx([0.2, 0.4])
+    assert overhead_spread([12.0], [10.0])["overhead_quartiles"] == pytest.approx([0.2, 0.2])
+    with pytest.raises(ValueError, match="at least one round"):
+        overhead_spread([], [10.0])
+
+
+def test_host_copy_takes_this_ranks_part_of_a_sharded_tensor():
+    from offload_examples.instruments.measure import host_copy
+
+    class Sharded:  # what a DTensor offers: its local part
+        def __init__(self, local):
+            self.local = local
+
+        def to_local(self):
+            return self.local
+
+    t = torch.arange(4.0, requires_grad=True)
+    plain, local = host_copy(t), host_copy(Sharded(t[:2]))
+    assert torch.equal(plain, t.detach()) and not plain.requires_grad and plain.data_ptr() != t.data_ptr()
+    assert torch.equal(local, torch.tensor([0.0, 1.0]))
+
+
 def test_balanced_orders_let_every_run_follow_every_other_equally_often():
     from collections import Counter
 

@@ -18,7 +18,10 @@ import sys
 import pytest
 import torch
 
+from torch import nn
+
 from offload_examples.instruments.fsdp.cli import add_options
+from offload_examples.instruments.fsdp.measure import Case, time_in_turns
 from offload_examples.instruments.fsdp.report import _prefetch_lines, _ratio_cell
 from offload_examples.instruments.report import CPU_TIMING_NOTE, write_json
 from offload_examples.instruments.timeline import prefetch_summary, stream_spans_from_trace
@@ -28,6 +31,7 @@ from offload_examples.scenarios.fsdp import (
     Launch,
     format_report,
     main,
+    paired_prefetch,
     prefetch_comparison,
     run,
     stream_activity,
@@ -56,8 +60,15 @@ def check_ranks(report: dict, config: FsdpConfig) -> None:
         # the engine offloaded exactly what its schedule says: every candidate storage of the first k layers
         assert r["offloaded_bytes"] == r["expected_offloaded_bytes"] == sum(per_layer) > 0
         assert r["resident_matches_theory"], r["rank"]
+        # the steps without and with offloading take turns, each run first in half the rounds
+        rounds = config.steps + config.steps % 2
+        assert r["rounds"] == rounds, r["rounds"]
         # one engine iteration per step (checked, warm-up, measured): model_layers matched the entries
-        assert r["iterations"] == CHECK_STEPS + config.warmup + config.steps
+        assert r["iterations"] == CHECK_STEPS + config.warmup + rounds
+        # the overhead is the median of the rounds' ratios, within their quartiles and extremes
+        low, high = r["overhead_range"]
+        assert low <= r["overhead_quartiles"][0] <= r["overhead"] <= r["overhead_quartiles"][1] <= high, r
+        assert r["step_ms_without_range"][0] <= r["step_ms_without"] <= r["step_ms_without_range"][1]
         assert r["peak_with_bytes"] is None and r["saving_ratio"] is None  # no CUDA: no made-up numbers
         # no CUDA trace: no prefetch measurement and no picture, each with its reason
         assert r["prefetch"] is None and "no CUDA profiler trace" in r["prefetch_note"], r
@@ -305,9 +316,11 @@ def test_prefetch_comparison_is_with_minus_without():
     assert p["median_delay_ms"] == 0.5
     # the doubled first copy-in ends at 2 ms, under the gemm: compute no longer "resumed right after" it
     assert p["wait_delay_ms"] == round(p["offload"]["compute_waited_ms"] - p["no_offload"]["compute_waited_ms"], 4)
-    # what the report prints of it (the rest of the report is checked by the runs above)
-    text = "\n".join(_prefetch_lines({"prefetch": p, "timeline_png": "/tmp/x.png"}))
-    assert "median all-gather +0.500 ms" in text and "timeline picture: x.png" in text
+    # what the report prints of one pair (the rest of the report is checked by the runs above)
+    one = paired_prefetch([(stream_spans_from_trace(ONE_RANK_TRACE), stream_spans_from_trace(slower))])
+    text = "\n".join(_prefetch_lines({"prefetch": one, "timeline_png": "/tmp/x.png"}))
+    assert "median all-gather +0.500 ms (pairs +0.500 .. +0.500 ms)" in text and "(1 profiled pairs)" in text
+    assert "timeline picture: x.png" in text
     assert "not measured (DDP" in "\n".join(_prefetch_lines({"prefetch": None, "prefetch_note": "DDP gathers"}))
 
 
@@ -333,7 +346,9 @@ def test_one_rank_has_no_all_gather_stream_and_compares_its_local_copy():
     p = prefetch_comparison(lanes, stream_spans_from_trace(slower))
     assert p["no_offload"]["bursts"] == p["offload"]["bursts"] == 0 and "no all-gather stream" in p["note"]
     assert (p["no_offload"]["local_copy_ms"], p["offload"]["local_copy_ms"], p["local_copy_delay_ms"]) == (0.04, 0.12, 0.08)
-    assert "0.04 ms without offloading, 0.12 ms with (+0.080 ms)" in "\n".join(_prefetch_lines({"prefetch": p}))
+    text = "\n".join(_prefetch_lines({"prefetch": paired_prefetch([(lanes, stream_spans_from_trace(slower))])}))
+    assert "0.04 ms without offloading, 0.12 ms with (medians)" in text
+    assert "with minus without, median over the pairs: +0.080 ms (pairs +0.080 .. +0.080 ms)" in text
     assert prefetch_comparison(lanes, lanes)["note"] and prefetch_comparison(
         stream_spans_from_trace(ONE_RANK_TRACE), stream_spans_from_trace(ONE_RANK_TRACE))["note"] is None
 
@@ -351,6 +366,52 @@ def test_timeline_picture_of_two_traces(tmp_path):
     fig.savefig(tmp_path / "t.png")
     assert (tmp_path / "t.png").stat().st_size > 0
     assert len(timeline_figure({"only": stream_spans_from_trace(ONE_RANK_TRACE)}).get_axes()) == 1
+
+
+def test_paired_prefetch_takes_the_median_and_the_range_over_the_pairs():
+    """Profiled steps in pairs (without, with offloading): each delay is the median over the pairs of
+    the pair's difference, with its lowest and highest pair; each side's readings in median."""
+    def slowed(factor: float) -> list:
+        return stream_spans_from_trace({"traceEvents": [
+            dict(e, dur=e["dur"] * factor) if "DtoD" in e["name"] and e["args"]["stream"] == 7 else e
+            for e in H100_ONE_RANK_TRACE["traceEvents"]]})
+
+    base = stream_spans_from_trace(H100_ONE_RANK_TRACE)
+    p = paired_prefetch([(base, slowed(2)), (slowed(2), slowed(4)), (base, base)])
+    # local copies of 0.04 ms plain: pairs +0.04, +0.08 and 0 ms with offloading
+    assert p["pairs"] == 3 and p["local_copy_delay_ms"] == 0.04
+    assert p["local_copy_delay_ms_range"] == [0.0, 0.08]
+    assert p["no_offload"]["local_copy_ms"] == 0.04 and p["offload"]["local_copy_ms"] == 0.08
+    assert p["median_delay_ms"] is None and p["median_delay_ms_range"] is None  # no all-gather stream
+    assert "no all-gather stream" in p["note"]
+    with pytest.raises(ValueError, match="at least one pair"):
+        paired_prefetch([])
+
+
+class _Logged(nn.Module):
+    """A layer that notes its label in ``log`` each time it runs forward."""
+
+    def __init__(self, label: str, log: list[str]):
+        super().__init__()
+        self.label, self.log, self.w = label, log, nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.log.append(self.label)
+        return x * self.w
+
+
+def test_the_runs_without_and_with_offloading_take_turns_step_by_step():
+    """The timed steps alternate, each run first in half the rounds (after the warm-up round), and the
+    rounds are rounded up to an even number: what makes the overhead a median of paired ratios."""
+    log: list[str] = []
+    cases = []
+    for label in ("no offload", "offload"):
+        layer = _Logged(label, log)
+        cases.append(Case(label, layer, layer, None, torch.optim.SGD(layer.parameters(), lr=0.1)))
+    measured = time_in_turns(cases, torch.ones(3), FsdpConfig.small(steps=3, warmup=1), lambda _: None)
+    a, b = "no offload", "offload"
+    assert log == [b, a] + [a, b, b, a] * 2  # warm-up, then ABBA
+    assert [len(m.step_ms) for m in measured.values()] == [4, 4]
 
 
 # ---------------------------------------------------------------------------- GPU: a real FSDP2 run

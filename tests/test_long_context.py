@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -175,9 +176,19 @@ def test_the_run_finds_each_boundary_under_a_cpu_limit_and_writes_report_and_plo
         assert r["peak_bytes"] <= 2 * 2**20 and r["tokens_per_s"] > 0
     assert report["strategies"]["checkpoint + offload"]["host_bytes"] > 0
     assert report["common_seq"] == longest["no offload"] and set(report["at_common"]) == set(longest)
+    # at the common length the three strategies took turns, one cycle of balanced orders, against checkpointing
+    turns = report["at_common"]
+    assert [t["rounds"] for t in turns.values()] == [6, 6, 6]
+    assert "overhead" not in turns["checkpoint"] and turns["no offload"]["against"] == "checkpoint"
+    q1, q3 = turns["checkpoint + offload"]["overhead_quartiles"]
+    assert q1 <= turns["checkpoint + offload"]["overhead"] <= q3
+    # at checkpointing's longest: checkpointing itself and checkpointing with offload, in turns
+    assert set(report["at_checkpoint"]) == {"checkpoint", "checkpoint + offload"}
+    assert report["at_checkpoint"]["checkpoint + offload"]["rounds"] == 2
     assert report["grads_equal"] and report["offloaded_bytes"] > 0
     assert plot.stat().st_size > 0
-    assert "bitwise equal" in format_report(report)
+    text = format_report(report)
+    assert "bitwise equal" in text and "6 rounds taking turns, one step of each strategy a round" in text
 
 
 def test_the_loop_to_copy_trains_the_adapters_only(trainee):
@@ -258,3 +269,66 @@ def test_a_plan_that_runs_out_of_memory_is_retried_predicted_lower_and_none_runs
     assert all(later < earlier for earlier, later in zip(peaks, peaks[1:])), peaks
     assert len({(s.checkpointed, s.offloaded, s.caps) for s in ran}) == len(ran)
     assert "least memory" not in ran[-1].note  # a plan the model chose, not the last fallback
+
+
+def _fake_steps(monkeypatch, speeds: dict[str, float], run_out: tuple[str, int] | None = None) -> list[str]:
+    """Replace a strategy's step by a record of its name: ``speeds[name]`` tokens/s, and out of memory at
+    the ``run_out`` strategy's given step (counting from 1). Returns the record."""
+    import contextlib
+
+    from offload_examples.instruments.long_context import strategies as lc
+    from offload_examples.instruments.long_context.memory import OutOfMemoryError
+
+    ran: list[str] = []
+
+    def run_at(trainee, setting, seq, **_):
+        ran.append(setting.strategy)
+        if run_out and setting.strategy == run_out[0] and ran.count(run_out[0]) == run_out[1]:
+            raise OutOfMemoryError("out of memory")
+        return Probe(seq, True, 100 + len(ran), 0, speeds[setting.strategy] * (1 + 0.01 * len(ran)), setting.note)
+
+    monkeypatch.setattr(lc, "strategy_mode", lambda trainee, name: contextlib.nullcontext())
+    monkeypatch.setattr(lc, "run_at", run_at)
+    return ran
+
+
+def test_strategies_take_turns_in_balanced_orders_and_one_that_runs_out_leaves_the_turns(monkeypatch):
+    from offload_examples.instruments.long_context import probes
+    from offload_examples.instruments.long_context import strategies as lc
+    from offload_examples.instruments.measure import balanced_orders
+
+    names = ["no offload", "checkpoint", "checkpoint + offload"]
+    ran = _fake_steps(monkeypatch, dict.fromkeys(names, 1000.0), run_out=("no offload", 3))
+    settings = {name: lc.choose(name, 64, 4, None, None, 0) for name in names}
+    turns = probes.take_turns(None, settings, 64, limit_bytes=None, host_budget_bytes=0, rounds=6)
+    orders = balanced_orders(3)
+    expected = [names[i] for row in orders for i in row]
+    # "no offload" ran out at its third step and took no more turns; the others went on in their orders
+    cut = [i for i, n in enumerate(expected) if n == "no offload"][2]
+    assert ran == expected[:cut + 1] + [n for n in expected[cut + 1:] if n != "no offload"]
+    assert turns["no offload"]["rounds"] == 2 and "out of memory in round 3" in turns["no offload"]["note"]
+    assert turns["checkpoint"]["rounds"] == 6 and turns["checkpoint"]["ok"]
+    low, high = turns["checkpoint"]["tokens_per_s_range"]
+    assert low <= turns["checkpoint"]["tokens_per_s"] <= high and len(turns["checkpoint"]["tokens_per_s_rounds"]) == 6
+    assert probes.turn_rounds(3, 1) == 6 and probes.turn_rounds(2, 3) == 4 and probes.turn_rounds(5, 11) == 20
+
+
+def test_speeds_at_one_length_are_compared_with_checkpointing_round_by_round(monkeypatch):
+    """A probe of each strategy finds the setting that runs and warms it up; then the steps take turns,
+    and each strategy's step time is set against checkpointing's of the same round."""
+    from offload_examples.instruments.long_context import probes
+
+    names = ["no offload", "checkpoint", "checkpoint + offload"]
+    ran = _fake_steps(monkeypatch, {"no offload": 2000.0, "checkpoint": 1000.0, "checkpoint + offload": 800.0})
+    found = probes.search_strategy(SimpleNamespace(layers=4), "checkpoint", None, None, 0, lambda _: None,
+                                   resolution=64, max_seq=64, only=64)
+    assert found.setting.strategy == "checkpoint" and found.setting.checkpointed == (True,) * 4
+    ran.clear()
+    speeds = probes.speeds_in_turns(SimpleNamespace(layers=4), names, 64, None, None, 0, lambda _: None)
+    assert ran[:3] == names and len(ran) == 3 + 6 * 3  # a probe each, then one cycle of six rounds
+    assert "overhead" not in speeds["checkpoint"]
+    offload = speeds["checkpoint + offload"]
+    # 800 against 1000 tokens/s: each step takes a quarter longer (to within the fake's 1 % drift a step)
+    assert offload["against"] == "checkpoint" and offload["overhead"] == pytest.approx(0.25, abs=0.03)
+    assert speeds["no offload"]["overhead"] == pytest.approx(-0.5, abs=0.03)
+    assert offload["overhead_range"][0] <= offload["overhead_quartiles"][0] <= offload["overhead"]

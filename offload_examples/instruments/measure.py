@@ -20,8 +20,9 @@ from torch import nn
 
 __all__ = [
     "GradCheck", "Measurement", "StepReport", "balanced_orders", "compare_grads", "compare_tensors",
-    "deterministic_kernels", "free_memory", "measure_paired", "measure_round_robin", "measure_stage_steps",
-    "measure_steps", "memory_by_phase", "paired_overhead", "quartiles", "resident_vs_theory", "snapshot",
+    "deterministic_kernels", "free_memory", "host_copy", "measure_paired", "measure_round_robin",
+    "measure_stage_steps", "measure_steps", "memory_by_phase", "overhead_spread", "paired_overhead", "quartiles",
+    "resident_vs_theory", "snapshot",
     "training_step",
 ]
 
@@ -133,15 +134,22 @@ class StepReport:
         self.last = time.perf_counter()
 
 
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A detached copy of ``t`` in host memory; of this rank's part where ``t`` is sharded (a DTensor, as
+    FSDP2's parameters and their gradients are)."""
+    return (t.to_local() if hasattr(t, "to_local") else t).detach().to("cpu", copy=True)
+
+
 def snapshot(model: nn.Module, x: torch.Tensor, out: torch.Tensor, label: str = "") -> Measurement:
     """Copy the output and every gradient (parameters and ``x``) to host memory, leaving them in place.
 
-    For steps whose tensors must stay where they are, such as a replayed CUDA graph's.
+    For steps whose tensors must stay where they are, such as a replayed CUDA graph's. A sharded
+    gradient (FSDP2's) is copied as this rank's part (:func:`host_copy`).
     """
-    grads = {name: p.grad.to("cpu", copy=True) for name, p in model.named_parameters() if p.grad is not None}
+    grads = {name: host_copy(p.grad) for name, p in model.named_parameters() if p.grad is not None}
     if x.grad is not None:
-        grads["input"] = x.grad.to("cpu", copy=True)
-    return Measurement(label, [], None, None, out.to("cpu", copy=True), grads)
+        grads["input"] = host_copy(x.grad)
+    return Measurement(label, [], None, None, host_copy(out), grads)
 
 
 def _finish(label: str, model: nn.Module, x: torch.Tensor, times: list[float], peak, baseline, out) -> Measurement:
@@ -361,6 +369,29 @@ def quartiles(values: Sequence[float]) -> tuple[float, float]:
         return values[0], values[0]
     q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
     return q1, q3
+
+
+def overhead_spread(times: list[float], reference_ms: list[float]) -> dict[str, Any]:
+    """Round by round ``time / reference - 1``: its median and how far the rounds spread.
+
+    Parameters
+    ----------
+    times, reference_ms:
+        Two runs' step times, round by round (as :func:`measure_round_robin` lines them up); pairs
+        beyond the shorter list are left out.
+
+    Returns
+    -------
+    dict
+        ``overhead`` (:func:`paired_overhead`), ``overhead_quartiles`` (the first and third quartile
+        of the rounds' ratios less one, inclusive: within the extremes, and equal to them for one
+        round) and ``overhead_range`` (the lowest and highest round).
+    """
+    ratios = [t / r - 1 for t, r in zip(times, reference_ms)]
+    if not ratios:
+        raise ValueError("overhead_spread needs at least one round of both runs")
+    return {"overhead": paired_overhead(times, reference_ms), "overhead_quartiles": list(quartiles(ratios)),
+            "overhead_range": [min(ratios), max(ratios)]}
 
 
 def free_memory(*, pinned: bool = False) -> None:

@@ -26,8 +26,8 @@ from torch import nn
 
 from offload_examples.core import te_path
 from offload_examples.core.api import get_cpu_offload_context
-from offload_examples.instruments.measure import (Measurement, compare_grads, measure_round_robin, paired_overhead,
-                                                  quartiles, training_step)
+from offload_examples.instruments.measure import (Measurement, compare_grads, measure_round_robin, overhead_spread,
+                                                  training_step)
 from offload_examples.instruments.models import import_transformer_engine
 
 __all__ = ["RECIPES", "TeModel", "compare_with_te", "fp8_autocast", "summarize", "te_tutorial_model"]
@@ -89,14 +89,6 @@ def _te_step(model: nn.ModuleList, x: torch.Tensor, ctx: Any, sync: Any, recipe:
         return training_step(model, x, ctx, sync)
 
 
-def _pairs(times: list[float], reference_ms: list[float]) -> dict[str, Any]:
-    """Round by round ``time / reference - 1``: the median (:func:`paired_overhead`), the quartiles and
-    the extremes over the rounds."""
-    ratios = [t / r - 1 for t, r in zip(times, reference_ms)]
-    return {"overhead": paired_overhead(times, reference_ms), "overhead_quartiles": list(quartiles(ratios)),
-            "overhead_range": [min(ratios), max(ratios)]}
-
-
 def summarize(measured: dict[str, Measurement], recipe: str, k: int) -> dict[str, Any]:
     """The report of :func:`compare_with_te` from the runs its round robin measured (by name)."""
     base = measured["no offload"]
@@ -109,13 +101,13 @@ def summarize(measured: dict[str, Measurement], recipe: str, k: int) -> dict[str
             "saving_bytes": base.activation_peak_bytes - m.activation_peak_bytes,
             "step_ms": m.median_ms,
             "step_ms_range": [min(m.step_ms), max(m.step_ms)],
-            **_pairs(m.step_ms, base.step_ms),
+            **overhead_spread(m.step_ms, base.step_ms),
             "bitwise_equal": compare_grads(base, m).equal,
         }
     # the two offloads compared round by round: the difference of their overheads against the run
     # without offloading would carry the spread of both
-    out["this engine vs Transformer Engine"] = _pairs(measured["this engine"].step_ms,
-                                                      measured["Transformer Engine"].step_ms)
+    out["this engine vs Transformer Engine"] = overhead_spread(measured["this engine"].step_ms,
+                                                              measured["Transformer Engine"].step_ms)
     return out
 
 

@@ -11,11 +11,12 @@ training script needs.
 FSDP's unsharded parameters are ``nn.Parameter`` s, which the engine never offloads (they are
 freed or kept by ``reshard_after_forward``, FSDP's own choice); only activations move.
 
-Each rank trains a fresh copy of the same model on its own batch twice, without and with
-offloading, and reports peak memory, the saving against the engine's theory, step time, and
-whether the gradients and the parameters after the optimizer (AdamW) are bitwise equal. The
-comparison is bitwise, with no tolerance, because both runs call the same collectives on the same
-bytes in the same order: gloo on the CPU reduces in a fixed order (the CPU tests find every bit
+Each rank trains two fresh copies of the same model on its own batch, one without and one with
+offloading, whose timed steps take turns step by step (each first in half the rounds), and
+reports peak memory, the saving against the engine's theory, the step times and the overhead
+round by round, and whether the gradients and the parameters after the optimizer (AdamW) are
+bitwise equal. The comparison is bitwise, with no tolerance, because both runs call the same
+collectives on the same bytes in the same order: gloo on the CPU reduces in a fixed order (the CPU tests find every bit
 equal), and one GPU reduces nothing. On several GPUs it relies on NCCL picking the same algorithm
 for the same sizes in both runs; pin it with ``NCCL_ALGO`` if a run finds otherwise. Run it (one
 rank per GPU, else 2 ranks on the CPU; ``--cpu-params`` adds FSDP's CPUOffloadPolicy on a GPU,
@@ -37,7 +38,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from offload_examples import OffloadEngine, get_cpu_offload_context
@@ -46,11 +46,11 @@ from offload_examples.instruments.cli import default_device
 from offload_examples.instruments.fsdp.cli import PLACEMENT, add_options, on_rank_zero
 from offload_examples.instruments.fsdp.config import FsdpConfig
 from offload_examples.instruments.fsdp.measure import (
-    CHECK_STEPS, build_layers, compare_runs, make_plan, measure_training,
+    CHECK_STEPS, Case, build_layers, compare_runs, make_plan, measure_cases,
 )
 from offload_examples.instruments.fsdp.report import format_report
 from offload_examples.instruments.fsdp.trace import (
-    prefetch_comparison, stream_activity, timeline_figure, timeline_figure_from_traces, trace_paths,
+    paired_prefetch, prefetch_comparison, stream_activity, timeline_figure, timeline_figure_from_traces, trace_paths,
 )
 from offload_examples.instruments.measure import free_memory
 from offload_examples.instruments.models import Checkpointed
@@ -60,7 +60,7 @@ from offload_examples.instruments.spawn import Launch, default_world, run_ranks,
 
 __all__ = [
     "CHECK_STEPS", "FsdpConfig", "Launch", "OffloadedStack", "build_model", "default_world", "format_report", "main",
-    "make_plan",
+    "make_plan", "paired_prefetch",
     "prefetch_comparison", "run", "stream_activity", "timeline_figure", "timeline_figure_from_traces", "trace_paths",
     "train", "under_torchrun",
 ]
@@ -146,10 +146,9 @@ def build_model(
     return stack, stack, engine
 
 
-def _run_case(config: FsdpConfig, device: torch.device, x: torch.Tensor, offload: bool,
-              say: Callable[[str], None], trace_path: Path | None, chosen: Plan | None = None) -> dict[str, Any]:
-    """Train a fresh model: checked steps, then warm-up and measured steps; what each showed.
-    With ``offload`` and a plan, the plan runs (the run without runs every layer plainly)."""
+def _case(config: FsdpConfig, device: torch.device, offload: bool, chosen: Plan | None = None) -> Case:
+    """A fresh model to train, with its optimizer and, with ``offload``, its engine: the plan's where
+    there is one, else the first ``config.offload`` layers (the run without runs every layer plainly)."""
     model, stack, engine = build_model(config, device, chosen if offload else None)
     optimizer = torch.optim.AdamW(stack.parameters(), lr=1e-3)
     if offload and engine is None:
@@ -157,14 +156,12 @@ def _run_case(config: FsdpConfig, device: torch.device, x: torch.Tensor, offload
                                             retain_pinned_cpu_buffers=True, device=device)
     if engine is not None:
         stack.ctx, stack.sync = engine, engine.sync
-    label = "offload" if offload else "no offload"
-    # the model, its optimizer and the engine go with this frame, before the next run is built
-    return measure_training(model, stack, engine, optimizer, x, config, device, label, say, trace_path)
+    return Case("offload" if offload else "no offload", model, stack, engine, optimizer)
 
 
 def _run_rank(rank: int, device: torch.device, config: FsdpConfig, verbose: bool,
               trace_dir: str | None) -> dict[str, Any]:
-    """Both runs on this rank, compared."""
+    """Both runs on this rank, their steps taking turns, compared."""
     say = (lambda s: print(f"  rank {rank} {s}", flush=True)) if verbose and rank == 0 else (lambda s: None)
     gen = torch.Generator().manual_seed(config.seed + 1 + rank)  # each rank its own batch
     x = torch.randn(config.batch, config.seq, config.hidden, generator=gen, dtype=getattr(torch, config.dtype)).to(device)
@@ -172,12 +169,11 @@ def _run_rank(rank: int, device: torch.device, config: FsdpConfig, verbose: bool
     chosen, keep_all = (None, 0) if config.plan is None else make_plan(config, device, x)
     if chosen is not None:
         say(f"plan: {chosen.summary()}")
-    base = _run_case(config, device, x, False, say, without)
+    cases = [_case(config, device, False), _case(config, device, True, chosen)]
+    measured = measure_cases(cases, x, config, device, say, {"no offload": without, "offload": with_})
+    del cases  # the models, their optimizers and the engine, before the next run in this process
     free_memory()
-    dist.barrier()
-    off = _run_case(config, device, x, True, say, with_, chosen)
-    free_memory()
-    return compare_runs(rank, config, base, off, chosen, keep_all, trace_dir)
+    return compare_runs(rank, config, measured["no offload"], measured["offload"], chosen, keep_all, trace_dir)
 
 
 def run(config: FsdpConfig | None = None, launch: Launch | None = None,

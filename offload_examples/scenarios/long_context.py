@@ -9,9 +9,12 @@ checkpointing, checkpointing with the checkpoints' inputs in pinned host memory,
 k-of-N offloading at its best ``k``, the planner) the search
 (:mod:`~offload_examples.instruments.long_context.search`) finds the longest sequence whose step
 completes, to within ``--resolution`` tokens: predicted from the peak memory of short steps, then
-confirmed by steps around the prediction; a step that runs out of memory is caught and freed. On a
-CPU the device memory is counted as CUDA's allocator would, and ``--memory-limit`` makes a step over
-it run out (:mod:`~offload_examples.instruments.long_context.memory`).
+confirmed by steps around the prediction; a step that runs out of memory is caught and freed. Where
+the strategies meet (the longest length all of them ran, checkpointing's longest) their steps take
+turns, each set against checkpointing's of the same round
+(:func:`~offload_examples.instruments.long_context.probes.speeds_in_turns`). On a CPU the device
+memory is counted as CUDA's allocator would, and ``--memory-limit`` makes a step over it run out
+(:mod:`~offload_examples.instruments.long_context.memory`).
 
 Run it (the 8B shape on a GPU, with the whole GPU; or under a memory limit)::
 
@@ -79,7 +82,7 @@ class LongContextConfig(Timing, ScenarioConfig):
     loss_chunk: int = 1024
     resolution: int = 4096
     max_seq: int = 131072
-    steps: int = 1
+    steps: int = 1  # timed steps of each probe; at the lengths compared, the least number of rounds in turns
     memory_limit: int | None = None  # device bytes; None: the whole GPU (no limit on a CPU)
     host_budget: int | None = None  # pinned host bytes; None: host_budget(), half of what is available
     strategies: list[str] = field(default_factory=lambda: list(lc.STRATEGIES))
@@ -174,10 +177,10 @@ def _run(config: LongContextConfig, device: torch.device, say: Callable[[str], N
                              "probes": [dataclasses.asdict(p) for p in found.probes]}
             _save_progress(config, report)  # a search cut short keeps what it found
         common = report["common_seq"] = min((r["longest"] for r in results.values() if r["longest"]), default=0)
+        ran = [name for name, r in results.items() if common and r["longest"]]
         say(f"every strategy at {common} tokens, the longest all of them ran:")
-        report["at_common"] = {name: probes.as_dict(_search(trainee, config, name, costs, limit, host, say,
-                                                            only=common).best)
-                               for name, r in results.items() if common and r["longest"]}
+        report["at_common"] = probes.speeds_in_turns(trainee, ran, common, costs, limit, host, say,
+                                                     warmup=config.warmup, steps=config.steps) if ran else {}
         _save_progress(config, report)
         report["checkpoint_seq"], report["at_checkpoint"] = probes.at_checkpoints_longest(
             trainee, costs, limit, host, results, say, warmup=config.warmup, steps=config.steps)
@@ -197,8 +200,8 @@ def _save_progress(config: LongContextConfig, report: dict[str, Any]) -> None:
 
 
 def format_report(report: dict[str, Any]) -> str:
-    """One row per strategy: the longest sequence, its memory and speed, and the speed at the length every
-    strategy ran and at checkpointing's longest."""
+    """One row per strategy: the longest sequence, its memory and speed, and the speed (median) at the
+    length every strategy ran and at checkpointing's longest; then the steps taken in turns there."""
     c, common, ckpt = report["config"], report["common_seq"], report.get("checkpoint_seq") or 0
     rows = []
 
@@ -223,6 +226,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"longest sequences to within {c['resolution']:,} tokens, up to {c['max_seq']:,}; gradients of every strategy "
         f"against no offloading at {min(c['resolution'], probes.SHORT):,} tokens, bitwise equal: "
         f"{report['grads_equal']}",
+        *probes.format_turns(report["at_common"], common, "the longest all of them ran"),
+        *probes.format_turns(report.get("at_checkpoint") or {}, ckpt, "the longest checkpointing ran"),
         *cpu_timing_note(report),
     ])
 

@@ -61,18 +61,21 @@ class FsdpConfig(TransformerSize, Timing, ScenarioConfig):
     SMALL = dict(world=2, layers=4, offload=2, batch=2)
 
     def memory_need(self, device_type: str) -> Need:
-        """Per rank: the layers as built whole, then their shards of parameters, gradients and AdamW's
-        two moments (whole, and DDP's buckets, with ``ddp``), two layers gathered, and a training step's
+        """Per rank: the layers as built whole, then, for each of the two runs (whose steps take turns,
+        so both models live at once), their shards of parameters, gradients and AdamW's two moments
+        (whole, and DDP's buckets, with ``ddp``); two layers gathered, and a training step's
         activations; with a fraction ``plan`` rank 0 first measures a step of the whole layers. On the
         host the layers as built (float32), or the pinned buffers and both runs' gradients and updated
-        parameters (and the optimizer's state with ``cpu_params``)."""
+        parameters (and both runs' optimizer states with ``cpu_params``)."""
         s = self.stack(self.layers, self.batch, device_type)
         world = self.world or 1
         shard = s.param_bytes if self.wrap == "ddp" else s.param_bytes // world
-        weights = 5 * shard if self.wrap == "ddp" else s.param_bytes + 4 * shard + 2 * s.param_bytes // self.layers
+        runs = 2
+        weights = (runs * 5 * shard if self.wrap == "ddp"
+                   else s.param_bytes + runs * 4 * shard + 2 * s.param_bytes // self.layers)
         device = max(weights + s.saved_bytes(self.layers + 1) + 3 * s.io_bytes,
                      s.step_bytes() if isinstance(self.plan, float) else 0)
-        host = s.saved_bytes(self.offload) + 4 * shard + (4 * shard if self.cpu_params else 0)
+        host = s.saved_bytes(self.offload) + 4 * shard + (runs * 4 * shard if self.cpu_params else 0)
         return Need(device, max(s.build_bytes, host), world)
 
     def check(self) -> None:

@@ -1,12 +1,12 @@
-"""What the FSDP scenario measures on each rank: the planner's costs, a training run's checked and timed
-steps, and the runs without and with offloading compared."""
+"""What the FSDP scenario measures on each rank: the planner's costs, the two models it trains (without and
+with offloading) checked bit for bit and timed taking turns step by step, and the two compared."""
 
 from __future__ import annotations
 
-import statistics
-import time
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -15,17 +15,23 @@ from torch import nn
 from offload_examples import OffloadEngine
 from offload_examples.features.planner import KEEP, OFFLOAD, RECOMPUTE, Plan, plan, simulate_plan
 from offload_examples.instruments.fsdp.config import FsdpConfig
-from offload_examples.instruments.fsdp.trace import _profile, prefetch_comparison, stream_activity, timeline_figure
-from offload_examples.instruments.measure import deterministic_kernels, free_memory, resident_vs_theory
+from offload_examples.instruments.fsdp.trace import _profile, paired_prefetch, stream_activity, timeline_figure
+from offload_examples.instruments.measure import (Measurement, balanced_orders, deterministic_kernels, free_memory,
+                                                  host_copy, measure_round_robin, overhead_spread, resident_vs_theory)
 from offload_examples.instruments.models import build_basic_model
 from offload_examples.instruments.plan_costs import measure_costs, measure_link
 from offload_examples.instruments.timeline import StreamLane, stream_spans_from_trace
 
-__all__ = ["CHECK_STEPS", "build_layers", "compare_runs", "make_plan", "measure_training"]
+__all__ = ["CHECK_STEPS", "PROFILED_ROUNDS", "Case", "build_layers", "check_steps", "compare_runs", "make_plan",
+           "measure_cases", "profile_in_turns", "time_in_turns"]
 
 #: Steps each run takes under deterministic kernels before it is timed: the gradients of the last
 #: one and the parameters after its optimizer step are compared (the second step uses AdamW's state).
 CHECK_STEPS = 2
+
+#: Rounds of profiled steps on CUDA, one step of each run a round, in the orders of
+#: :func:`~offload_examples.instruments.measure.balanced_orders` (without, with, with, without).
+PROFILED_ROUNDS = 2
 
 
 def build_layers(config: FsdpConfig, device: torch.device) -> nn.ModuleList:
@@ -58,75 +64,112 @@ def make_plan(config: FsdpConfig, device: torch.device, x: torch.Tensor) -> tupl
     return box[0]
 
 
-def measure_training(model: nn.Module, stack: nn.Module, engine: OffloadEngine | None, optimizer: torch.optim.Optimizer,
-                     x: torch.Tensor, config: FsdpConfig, device: torch.device, label: str,
-                     say: Callable[[str], None], trace_path: Path | None) -> dict[str, Any]:
-    """Train ``model`` on ``x``: :data:`CHECK_STEPS` checked steps, then warm-up and measured steps; what each showed.
+@dataclass
+class Case:
+    """One of the models a rank trains: ``model`` is what is called (``DistributedDataParallel`` may wrap
+    ``stack``, which holds the parameters), ``engine`` its offload context (``None`` without
+    offloading), ``optimizer`` its AdamW; ``label`` names it in progress lines and results."""
 
-    ``stack`` holds the parameters (``model`` may wrap it), ``engine`` is the offload context (``None``
-    without offloading); ``label`` names the run in ``say``'s line. On CUDA one more step runs under the
-    profiler, its Chrome trace written to ``trace_path`` when given.
+    label: str
+    model: nn.Module
+    stack: nn.Module
+    engine: OffloadEngine | None
+    optimizer: torch.optim.Optimizer
+
+    def forward_backward(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward and the backward of one step on ``x``; the output, detached."""
+        out = self.model(x)
+        out.float().square().mean().backward()
+        return out.detach()
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        """A training step whose gradients were cleared before: forward, backward, AdamW's step."""
+        out = self.forward_backward(x)
+        self.optimizer.step()
+        return out
+
+
+def check_steps(case: Case, x: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
+    """:data:`CHECK_STEPS` steps of ``case`` under deterministic kernels.
+
+    Returns
+    -------
+    dict
+        ``grads``: the last step's gradients, ``params``: the parameters after its optimizer step
+        (this rank's parts, on the host, named as in the plain stack).
     """
-    cuda = device.type == "cuda"
-
-    def forward_backward() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        model(x).float().square().mean().backward()
-
     with deterministic_kernels():  # bit-reproducible kernels for the comparison; the timed steps use the fast ones
         for _ in range(CHECK_STEPS):
-            forward_backward()
-            grads = {_plain(n): _local(p.grad) for n, p in stack.named_parameters() if p.grad is not None}
-            optimizer.step()
-    params = {_plain(n): _local(p) for n, p in stack.named_parameters()}
+            case.optimizer.zero_grad(set_to_none=True)
+            case.forward_backward(x)
+            grads = {_plain(n): host_copy(p.grad) for n, p in case.stack.named_parameters() if p.grad is not None}
+            case.optimizer.step()
+    return {"grads": grads, "params": {_plain(n): host_copy(p) for n, p in case.stack.named_parameters()}}
 
-    times, baseline = [], 0
-    for i in range(config.warmup + config.steps):
-        optimizer.zero_grad(set_to_none=True)
-        if cuda and i == config.warmup:
-            torch.cuda.synchronize(device)
-            baseline = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-        if cuda:
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-        start = time.perf_counter()
-        forward_backward()
-        optimizer.step()
-        if cuda:
-            end.record()
-            end.synchronize()
-            ms = begin.elapsed_time(end)
-        else:
-            ms = (time.perf_counter() - start) * 1e3
-        if i >= config.warmup:
-            times.append(ms)
-    say(f"[{label}] {len(times)} steps, median {statistics.median(times):.1f} ms")
-    out: dict[str, Any] = {
-        "grads": grads, "params": params, "step_ms": statistics.median(times),
-        "activation_peak_bytes": torch.cuda.max_memory_allocated(device) - baseline if cuda else None,
-    }
-    if engine is not None:  # the last measured step, before anything else runs through the engine
-        stats = list(engine.stats)
-        out.update(
-            stats=stats, theory=engine.theoretical(), resident=resident_vs_theory(engine),
-            host_pinned_bytes=engine.pool.peak_bytes, iterations=engine.iteration + 1,
-            offloaded=[engine.schedule.is_offloaded(j) for j in range(config.layers)],
-        )
-    if cuda:  # one more step under the profiler, in both runs: the prefetch comparison needs the two
-        optimizer.zero_grad(set_to_none=True)
-        trace = _profile(lambda: (forward_backward(), optimizer.step()), trace_path)
-        out["lanes"] = stream_spans_from_trace(trace, fsdp=config.wrap == "fsdp")
-        if engine is not None:
-            out["streams"], out["copy_overlap_ms"] = stream_activity(trace)
+
+def time_in_turns(cases: Sequence[Case], x: torch.Tensor, config: FsdpConfig,
+                  say: Callable[[str], None]) -> dict[str, Measurement]:
+    """Time the cases' training steps taking turns step by step
+    (:func:`~offload_examples.instruments.measure.measure_round_robin`): ``config.warmup`` rounds, then
+    ``config.steps`` rounds, rounded up to a multiple of the orders' cycle so that each case goes first
+    equally often. Each case's memory is what one of its steps added to what was allocated before it."""
+    cycle = len(balanced_orders(len(cases)))
+    rounds = -(-config.steps // cycle) * cycle
+    runs = {case.label: (case.stack, x, partial(case.step, x)) for case in cases}
+    measured = measure_round_robin(runs, steps=rounds, warmup=config.warmup)
+    for label, m in measured.items():
+        say(f"[{label}] {rounds} steps taking turns, median {m.median_ms:.1f} ms "
+            f"({min(m.step_ms):.1f} to {max(m.step_ms):.1f})")
+    return measured
+
+
+def profile_in_turns(cases: Sequence[Case], x: torch.Tensor, trace_files: Mapping[str, Path | None],
+                     rounds: int = PROFILED_ROUNDS) -> dict[str, list[dict]]:
+    """On CUDA, ``rounds`` rounds of one profiled step of each case, in balanced orders; each case's Chrome
+    traces, the first of them also written to ``trace_files[label]`` where given."""
+    orders, traces = balanced_orders(len(cases)), {case.label: [] for case in cases}
+    for r in range(rounds):
+        for case in (cases[i] for i in orders[r % len(orders)]):
+            case.stack.zero_grad(set_to_none=True)
+            path = None if traces[case.label] else trace_files.get(case.label)
+            traces[case.label].append(_profile(partial(case.step, x), path))
+    return traces
+
+
+def _engine_readings(engine: OffloadEngine, layers: int) -> dict[str, Any]:
+    """What the engine did in its last step (read before anything else runs through it)."""
+    return dict(stats=list(engine.stats), theory=engine.theoretical(), resident=resident_vs_theory(engine),
+                host_pinned_bytes=engine.pool.peak_bytes, iterations=engine.iteration + 1,
+                offloaded=[engine.schedule.is_offloaded(j) for j in range(layers)])
+
+
+def measure_cases(cases: Sequence[Case], x: torch.Tensor, config: FsdpConfig, device: torch.device,
+                  say: Callable[[str], None], trace_files: Mapping[str, Path | None]) -> dict[str, dict[str, Any]]:
+    """Check each case bit for bit (:func:`check_steps`), time them taking turns (:func:`time_in_turns`)
+    and, on CUDA, profile them taking turns (:func:`profile_in_turns`); what each showed, by label.
+
+    Each result holds ``grads`` and ``params`` (of the checked steps), ``step_ms`` (the median of its
+    timed steps) and ``step_ms_rounds`` (each round's), ``activation_peak_bytes`` (``None`` off CUDA);
+    with an engine, what it did in its last timed step; on CUDA ``lanes`` (each profiled step's
+    streams) and, with an engine, ``streams`` and ``copy_overlap_ms`` of its first profiled step;
+    with ``cpu_params``, ``host_param_bytes`` (FSDP's pinned shards and their gradients).
+    """
+    out = {case.label: check_steps(case, x) for case in cases}
+    for label, m in time_in_turns(cases, x, config, say).items():
+        out[label].update(step_ms=m.median_ms, step_ms_rounds=m.step_ms, activation_peak_bytes=m.activation_peak_bytes)
+    for case in cases:
+        if case.engine is not None:
+            out[case.label].update(_engine_readings(case.engine, config.layers))
+    if device.type == "cuda":  # the prefetch comparison needs both runs' streams
+        for label, traces in profile_in_turns(cases, x, trace_files).items():
+            out[label]["lanes"] = [stream_spans_from_trace(t, fsdp=config.wrap == "fsdp") for t in traces]
+            if next(c for c in cases if c.label == label).engine is not None:
+                out[label]["streams"], out[label]["copy_overlap_ms"] = stream_activity(traces[0])
     if config.cpu_params:  # what FSDP keeps in (pinned) host memory: this rank's shards and their gradients
-        out["host_param_bytes"] = sum(_local(t).nbytes for p in stack.parameters() for t in (p, p.grad) if t is not None)
+        for case in cases:
+            out[case.label]["host_param_bytes"] = sum(host_copy(t).nbytes for p in case.stack.parameters()
+                                                      for t in (p, p.grad) if t is not None)
     return out
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor (FSDP's parameters and gradients are sharded DTensors), on the host."""
-    return (t.to_local() if hasattr(t, "to_local") else t).detach().to("cpu", copy=True)
 
 
 def _plain(name: str) -> str:
@@ -146,8 +189,9 @@ def _compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[bo
 def compare_runs(rank: int, config: FsdpConfig, base: dict[str, Any], off: dict[str, Any], chosen: Plan | None,
                  keep_all: int, trace_dir: str | None) -> dict[str, Any]:
     """One rank's result: the runs without (``base``) and with offloading (``off``) of
-    :func:`measure_training` side by side, and the plan ``chosen`` (``keep_all``: the predicted peak of
-    keeping every layer) with its predictions against the measurement."""
+    :func:`measure_cases` side by side, their steps compared round by round,
+    and the plan ``chosen`` (``keep_all``: the predicted peak of keeping every layer) with its
+    predictions against the measurement."""
     grads_equal, grad_diff = _compare(base["grads"], off["grads"])
     params_equal, param_diff = _compare(base["params"], off["params"])
     stats, theory = off["stats"], off["theory"]
@@ -169,9 +213,7 @@ def compare_runs(rank: int, config: FsdpConfig, base: dict[str, Any], off: dict[
         "iterations": off["iterations"],
         "host_pinned_bytes": off["host_pinned_bytes"],
         "host_param_bytes": off.get("host_param_bytes"),
-        "step_ms_without": base["step_ms"],
-        "step_ms_with": off["step_ms"],
-        "overhead": off["step_ms"] / base["step_ms"] - 1,
+        **_timing_results(base, off),
         "grads_equal": grads_equal,
         "params_equal": params_equal,
         "grads_compared": len(base["grads"]),
@@ -185,38 +227,51 @@ def compare_runs(rank: int, config: FsdpConfig, base: dict[str, Any], off: dict[
         ratio = saving / theory.saving if theory.saving and not out["recomputes"] else None
         out.update(saving_bytes=saving, saving_ratio=ratio)
     if chosen is not None:
-        out["plan"] = _plan_results(chosen, keep_all, base, off)
+        out["plan"] = _plan_results(chosen, keep_all, base, off, out["overhead"])
     if "streams" in off:
         out.update(streams=off["streams"], copy_overlap_ms=off["copy_overlap_ms"],
-                   stream_roles={str(lane.stream): lane.role for lane in off["lanes"]})
+                   stream_roles={str(lane.stream): lane.role for lane in off["lanes"][0]})
     out.update(_timeline_results(config, base.get("lanes"), off.get("lanes"), trace_dir, rank))
     return out
 
 
-def _plan_results(chosen: Plan, keep_all: int, base: dict[str, Any], off: dict[str, Any]) -> dict[str, Any]:
-    """The plan, and its predicted saving and step-time ratio next to the measured ones."""
+def _timing_results(base: dict[str, Any], off: dict[str, Any]) -> dict[str, Any]:
+    """The two runs' steps, taken in turns: each one's median and fastest and slowest step, and the step
+    with offloading over the step without in the same round, less one (``overhead``, the median over
+    the rounds, with its quartiles and extremes: :func:`~offload_examples.instruments.measure.overhead_spread`)."""
+    a, b = base["step_ms_rounds"], off["step_ms_rounds"]
+    return {"step_ms_without": base["step_ms"], "step_ms_with": off["step_ms"],
+            "step_ms_without_range": [min(a), max(a)], "step_ms_with_range": [min(b), max(b)],
+            "rounds": len(b), **overhead_spread(b, a)}
+
+
+def _plan_results(chosen: Plan, keep_all: int, base: dict[str, Any], off: dict[str, Any],
+                  overhead: float) -> dict[str, Any]:
+    """The plan, and its predicted saving and step-time ratio next to the measured ones (the ratio:
+    one plus the paired ``overhead``)."""
     measured = None if base["activation_peak_bytes"] is None else base["activation_peak_bytes"] - off["activation_peak_bytes"]
     predicted = keep_all - chosen.predicted_peak_bytes if keep_all else None  # None: a given plan
     return {**chosen.to_dict(), "predicted_saving_bytes": predicted,
-            "measured_saving_bytes": measured, "measured_step_ratio": off["step_ms"] / base["step_ms"]}
+            "measured_saving_bytes": measured, "measured_step_ratio": 1 + overhead}
 
 
-def _timeline_results(config: FsdpConfig, without: list[StreamLane] | None, with_: list[StreamLane] | None,
-                      trace_dir: str | None, rank: int) -> dict[str, Any]:
-    """The prefetch comparison and the picture, or ``None`` for each with the reason."""
+def _timeline_results(config: FsdpConfig, without: list[list[StreamLane]] | None,
+                      with_: list[list[StreamLane]] | None, trace_dir: str | None, rank: int) -> dict[str, Any]:
+    """The prefetch comparison over the profiled pairs (:func:`paired_prefetch`) and the picture of the
+    first pair, or ``None`` for each with the reason."""
     out: dict[str, Any] = {"prefetch": None, "prefetch_note": None, "timeline_png": None, "timeline_note": None}
     if without is None or with_ is None:
         out["prefetch_note"] = out["timeline_note"] = "no CUDA profiler trace (CPU ranks, gloo)"
         return out
     if config.wrap == "fsdp":
-        out["prefetch"] = prefetch_comparison(without, with_)
+        out["prefetch"] = paired_prefetch(list(zip(without, with_)))
     else:
         out["prefetch_note"] = "DDP gathers no parameters: no prefetch to measure"
     if trace_dir is None:
         out["timeline_note"] = "no trace_dir given: no picture written"
         return out
     try:
-        fig = timeline_figure({"without offloading": without, "with offloading": with_},
+        fig = timeline_figure({"without offloading": without[0], "with offloading": with_[0]},
                               title=f"rank {rank}: one profiled step, per CUDA stream")
     except ImportError:
         out["timeline_note"] = "matplotlib is not installed (the plots extra): no picture"

@@ -15,6 +15,26 @@ def _ms(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1f} ms"
 
 
+def _pct_range(pair: list[float]) -> str:
+    return "{:+.1%} .. {:+.1%}".format(*pair)
+
+
+def _timing_table(ranks: list[dict[str, Any]]) -> list[str]:
+    """Per rank: the median steps, their spread, the paired overhead with its spread, and the bitwise checks;
+    then a line that says how the overhead is taken."""
+    table = format_table(
+        [(r["rank"], f"{_ms(r['step_ms_without'])} / {_ms(r['step_ms_with'])}",
+          "{:.1f}–{:.1f} / {:.1f}–{:.1f} ms".format(*r["step_ms_without_range"], *r["step_ms_with_range"]),
+          f"{r['overhead']:+.1%}", _pct_range(r["overhead_quartiles"]), _pct_range(r["overhead_range"]),
+          f"{r['grads_equal']} ({r['grads_compared']})", f"{r['params_equal']} ({r['params_compared']})",
+          f"{r['max_abs_diff']:.3g}") for r in ranks],
+        header=("rank", "step without / with", "fastest–slowest", "overhead", "quartiles", "min–max",
+                "grads bitwise equal", "params after AdamW equal", "max |diff|"))
+    rounds = ranks[0]["rounds"] if ranks else 0
+    return [table, f"steps without and with offloading taken in turns, {rounds} rounds; overhead: the median over "
+                   "the rounds of with / without - 1; quartiles, min–max: of that ratio over the rounds"]
+
+
 def _ratio_cell(rank: dict[str, Any]) -> str:
     """Measured saving over theory, or why there is none: no peak without CUDA, a saving that recomputation
     adds to (the theory counts offloads only; a plan's own prediction is on its line), nothing offloaded."""
@@ -45,13 +65,7 @@ def format_report(report: dict[str, Any]) -> str:
           format_bytes(r["host_param_bytes"])) for r in ranks],
         header=("rank", "peak without", "peak with", "saving", "theory", "measured / theory", "to host per step",
                 "host buffers (engine)", "host params+grads (FSDP)"))
-    timing = format_table(
-        [(r["rank"], f"{_ms(r['step_ms_without'])} / {_ms(r['step_ms_with'])}", f"{r['overhead']:+.1%}",
-          f"{r['grads_equal']} ({r['grads_compared']})", f"{r['params_equal']} ({r['params_compared']})",
-          f"{r['max_abs_diff']:.3g}") for r in ranks],
-        header=("rank", "step without / with", "overhead", "grads bitwise equal", "params after AdamW equal",
-                "max |diff|"))
-    lines = [head, memory, "", timing]
+    lines = [head, memory, "", *_timing_table(ranks)]
     if ranks and ranks[0].get("plan"):
         lines += ["", *_plan_lines(ranks[0]["plan"])]
     if ranks and ranks[0].get("streams"):
@@ -76,11 +90,19 @@ def _plan_lines(p: dict[str, Any]) -> list[str]:
             ("given plan" if p["predicted_saving_bytes"] is None else
              f"predicted saving of saved activations {p['predicted_saving_bytes'] / mib:.1f} MiB") + ", measured peak saving "
             + ("n/a (no CUDA)" if measured is None else f"{measured / mib:.1f} MiB")
-            + f"; step {p['measured_step_ratio']:.2f} x the run without the plan"]
+            + f"; step {p['measured_step_ratio']:.2f} x the run without the plan (median over the rounds)"]
+
+
+def _delay(p: dict[str, Any], key: str) -> str:
+    """A delay of :func:`~offload_examples.instruments.fsdp.trace.paired_prefetch`: median over the pairs,
+    and the lowest and highest pair."""
+    if p[key] is None:
+        return "n/a"
+    return "{:+.3f} ms (pairs {:+.3f} .. {:+.3f} ms)".format(p[key], *p[f"{key}_range"])
 
 
 def _prefetch_lines(r: dict[str, Any]) -> list[str]:
-    """Rank 0's all-gathers without and with offloading, and where its picture went."""
+    """Rank 0's all-gathers without and with offloading (profiled steps in pairs), and where its picture went."""
     p = r.get("prefetch")
     lines = [""]
     if p is None:
@@ -88,16 +110,18 @@ def _prefetch_lines(r: dict[str, Any]) -> list[str]:
     elif p.get("note"):
         a, b = p["no_offload"], p["offload"]
         lines.append(f"FSDP prefetch: {p['note']}: {a['local_copy_ms']:.2f} ms without offloading, "
-                     f"{b['local_copy_ms']:.2f} ms with ({p['local_copy_delay_ms']:+.3f} ms)")
+                     f"{b['local_copy_ms']:.2f} ms with (medians); with minus without, median over the pairs: "
+                     f"{_delay(p, 'local_copy_delay_ms')} ({p['pairs']} profiled pairs)")
     else:
         a, b = p["no_offload"], p["offload"]
         lines.append(format_table(
-            [(label, x["bursts"], _ms(x["median_ms"]), f"{x['exposed_ms']:.2f} ms", f"{x['compute_waited_ms']:.2f} ms")
-             for label, x in (("without offloading", a), ("with offloading", b))],
-            header=("rank 0, FSDP all-gathers in one step", "count", "median", "not under compute",
+            [(label, f"{x['bursts']:g}", _ms(x["median_ms"]), f"{x['exposed_ms']:.2f} ms",
+              f"{x['compute_waited_ms']:.2f} ms") for label, x in (("without offloading", a), ("with offloading", b))],
+            header=("rank 0, FSDP all-gathers per profiled step (median)", "count", "median", "not under compute",
                     "compute waited for them")))
-        median = "n/a" if p["median_delay_ms"] is None else f"{p['median_delay_ms']:+.3f} ms"
-        lines.append(f"delay from offloading: median all-gather {median}, compute's wait {p['wait_delay_ms']:+.3f} ms")
+        lines.append(f"delay from offloading, median over the pairs: median all-gather "
+                     f"{_delay(p, 'median_delay_ms')}, compute's wait {_delay(p, 'wait_delay_ms')} "
+                     f"({p['pairs']} profiled pairs)")
     picture = r.get("timeline_png")
     lines.append(f"timeline picture: {Path(picture).name if picture else r.get('timeline_note') or 'none'}")
     return lines

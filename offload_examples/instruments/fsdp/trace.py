@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -23,7 +24,12 @@ from offload_examples.instruments.timeline import (
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["prefetch_comparison", "stream_activity", "timeline_figure", "timeline_figure_from_traces", "trace_paths"]
+__all__ = ["DELAYS", "paired_prefetch", "prefetch_comparison", "stream_activity", "timeline_figure",
+           "timeline_figure_from_traces", "trace_paths"]
+
+#: What :func:`prefetch_comparison` subtracts, with offloading minus without: the keys
+#: :func:`paired_prefetch` takes the median and the range of over the pairs.
+DELAYS = ("median_delay_ms", "wait_delay_ms", "local_copy_delay_ms")
 
 def _work_kind(event: dict) -> str | None:
     cat, name = event.get("cat", ""), event.get("name", "").lower().replace("_", "")
@@ -111,6 +117,49 @@ def prefetch_comparison(without: list[StreamLane], with_: list[StreamLane]) -> d
     return {"no_offload": a, "offload": b, "median_delay_ms": median,
             "wait_delay_ms": round(b["compute_waited_ms"] - a["compute_waited_ms"], 4),
             "local_copy_delay_ms": round(b["local_copy_ms"] - a["local_copy_ms"], 4), "note": note}
+
+
+def _median_fields(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Field by field, the median of :func:`~offload_examples.instruments.timeline.prefetch_summary`'s
+    readings of several steps (``None`` where no step has the field)."""
+    out: dict[str, Any] = {}
+    for key in summaries[0]:
+        values = [s[key] for s in summaries if s[key] is not None]
+        out[key] = round(statistics.median(values), 4) if values else None
+    return out
+
+
+def paired_prefetch(pairs: Sequence[tuple[list[StreamLane], list[StreamLane]]]) -> dict[str, Any]:
+    """:func:`prefetch_comparison` of profiled steps taken in pairs, without and with offloading.
+
+    The steps of a pair ran one right after the other; the pairs take turns at which goes first
+    (without, with, with, without), so that what a step leaves to the next falls on both sides alike.
+
+    Parameters
+    ----------
+    pairs:
+        ``(lanes without, lanes with)`` of each pair, from
+        :func:`~offload_examples.instruments.timeline.stream_spans_from_trace`.
+
+    Returns
+    -------
+    dict
+        ``no_offload`` and ``offload``: each side's summaries, field by field the median over its
+        steps; for each of :data:`DELAYS`, the median over the pairs of that pair's difference (with
+        minus without; ``None`` where no pair has one) and, as ``<key>_range``, the lowest and highest
+        pair; ``note`` as :func:`prefetch_comparison` gives it for the first pair, and ``pairs``.
+    """
+    if not pairs:
+        raise ValueError("paired_prefetch needs at least one pair of profiled steps")
+    each = [prefetch_comparison(without, with_) for without, with_ in pairs]
+    out: dict[str, Any] = {"no_offload": _median_fields([p["no_offload"] for p in each]),
+                           "offload": _median_fields([p["offload"] for p in each]),
+                           "note": each[0]["note"], "pairs": len(each)}
+    for key in DELAYS:
+        values = [p[key] for p in each if p[key] is not None]
+        out[key] = round(statistics.median(values), 4) if values else None
+        out[f"{key}_range"] = [min(values), max(values)] if values else None
+    return out
 
 
 def timeline_figure(runs: dict[str, list[StreamLane]], title: str = "") -> Figure:

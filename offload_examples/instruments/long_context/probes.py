@@ -1,6 +1,6 @@
 """Each strategy's runs in the long-context scenario: its gradients against no offloading's, the search
 for its longest sequence (with the engine's and the planner's settings chosen from the cost model and
-corrected by what steps measure), and its speed at one length.
+corrected by what steps measure), and the strategies' speeds at one length, their steps taking turns.
 
 :mod:`~offload_examples.scenarios.long_context` calls these in turn; the search itself is
 :func:`~offload_examples.instruments.long_context.search.longest_sequence`.
@@ -9,15 +9,22 @@ corrected by what steps measure), and its speed at one length.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import statistics
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from offload_examples.instruments.long_context import strategies as lc
 from offload_examples.instruments.long_context.memory import OutOfMemoryError
 from offload_examples.instruments.long_context.search import Probe, SearchResult, longest_sequence
-from offload_examples.instruments.measure import compare_tensors, free_memory
+from offload_examples.instruments.measure import balanced_orders, compare_tensors, free_memory, overhead_spread
+from offload_examples.instruments.report import format_table
 
-__all__ = ["SHORT", "as_dict", "at_checkpoints_longest", "check_grads", "search_strategy"]
+__all__ = ["REFERENCE", "SHORT", "as_dict", "at_checkpoints_longest", "check_grads", "format_turns",
+           "search_strategy", "speeds_in_turns", "take_turns", "turn_rounds"]
+
+#: The strategy the others' steps are compared with at one length, where it ran there: checkpointing,
+#: which every long-context recipe starts from.
+REFERENCE = "checkpoint"
 
 #: The most tokens of the gradient check and the cost step (no memory limit; deterministic attention is quadratic).
 SHORT = 1024
@@ -55,6 +62,7 @@ def search_strategy(trainee: lc.Trainee, name: str, costs: lc.CostModel | None, 
     (:func:`~offload_examples.instruments.long_context.strategies.least_memory`).
     """
     error = 0.0
+    ran_with: dict[int, lc.Setting] = {}  # per length, the setting that ran there last
 
     def budget() -> int | None:
         return None if limit is None else int(limit / (1 + error))
@@ -89,6 +97,7 @@ def search_strategy(trainee: lc.Trainee, name: str, costs: lc.CostModel | None, 
                 continue  # what the model now chooses, or a fallback
             if predicted and ran.peak_bytes:
                 error = max(error, ran.peak_bytes / predicted - 1)
+            ran_with[seq] = setting
             return ran
 
     predict = None
@@ -101,8 +110,10 @@ def search_strategy(trainee: lc.Trainee, name: str, costs: lc.CostModel | None, 
                                                            max_seq)
             return longest_for[budget()]
     with lc.strategy_mode(trainee, name):
-        return longest_sequence(probe, resolution=only or resolution, max_seq=only or max_seq,
-                                limit_bytes=limit, predict=predict, progress=say, label=name)
+        found = longest_sequence(probe, resolution=only or resolution, max_seq=only or max_seq,
+                                 limit_bytes=limit, predict=predict, progress=say, label=name)
+    found.setting = ran_with.get(found.longest)
+    return found
 
 
 def as_dict(probe: Probe | None) -> dict[str, Any] | None:
@@ -110,17 +121,130 @@ def as_dict(probe: Probe | None) -> dict[str, Any] | None:
     return probe and dataclasses.asdict(probe)
 
 
+def turn_rounds(strategies: int, steps: int) -> int:
+    """Rounds of :func:`take_turns` for ``strategies`` strategies: at least ``steps``, in whole cycles of
+    :func:`~offload_examples.instruments.measure.balanced_orders` (so that each strategy comes right
+    after every other equally often)."""
+    cycle = len(balanced_orders(strategies))
+    return -(-max(steps, 1) // cycle) * cycle
+
+
+def _turns_entry(seq: int, probes: list[Probe], note: str, failed: str | None) -> dict[str, Any]:
+    """One strategy's steps of :func:`take_turns`, as the report keeps them."""
+    speeds = [p.tokens_per_s for p in probes]
+    return {"seq": seq, "ok": bool(probes), "rounds": len(probes),
+            "peak_bytes": max((p.peak_bytes for p in probes), default=None),
+            "host_bytes": max((p.host_bytes for p in probes), default=None),
+            "tokens_per_s": statistics.median(speeds) if speeds else None,
+            "tokens_per_s_range": [min(speeds), max(speeds)] if speeds else None,
+            "tokens_per_s_rounds": speeds, "note": "; ".join(filter(None, [note, failed]))}
+
+
+def take_turns(trainee: lc.Trainee, settings: Mapping[str, lc.Setting], seq: int, *, limit_bytes: int | None,
+               host_budget_bytes: int, rounds: int) -> dict[str, dict[str, Any]]:
+    """The strategies' steps at ``seq`` tokens taking turns: ``rounds`` rounds of one step of each, in the
+    orders of :func:`~offload_examples.instruments.measure.balanced_orders` taken in turn.
+
+    Each step sets its strategy up (:func:`~offload_examples.instruments.long_context.strategies.strategy_mode`
+    and :func:`~offload_examples.instruments.long_context.strategies.run_at` with ``settings[name]``, no
+    warm-up) outside its timing. A strategy whose step runs out of memory leaves the turns, keeping its
+    rounds so far, and its note says so; the others go on.
+
+    Returns
+    -------
+    dict
+        Per strategy: ``rounds`` (its steps), ``tokens_per_s`` (their median), ``tokens_per_s_range``
+        (slowest and fastest), ``tokens_per_s_rounds`` (round by round), ``peak_bytes`` and ``host_bytes``
+        (the most of any step), ``seq``, ``ok`` (a step ran) and ``note`` (what ran).
+    """
+    names = list(settings)
+    orders = balanced_orders(len(names))
+    probes: dict[str, list[Probe]] = {name: [] for name in names}
+    failed: dict[str, str] = {}
+    for r in range(rounds):
+        for name in (names[i] for i in orders[r % len(orders)] if names[i] not in failed):
+            try:
+                with lc.strategy_mode(trainee, name):
+                    probes[name].append(lc.run_at(trainee, settings[name], seq, limit_bytes=limit_bytes,
+                                                  host_budget_bytes=host_budget_bytes, warmup=0, steps=1))
+            except OutOfMemoryError:
+                failed[name] = f"out of memory in round {r + 1} of the turns"
+                free_memory(pinned=True)
+    return {name: _turns_entry(seq, probes[name], settings[name].note, failed.get(name)) for name in names}
+
+
+def _against(entries: dict[str, dict[str, Any]], reference: str) -> None:
+    """Add to each entry but the reference its step time against the reference's, round by round
+    (:func:`~offload_examples.instruments.measure.overhead_spread` of the time per token)."""
+    ref = [1 / v for v in entries[reference]["tokens_per_s_rounds"]]
+    for name, entry in entries.items():
+        mine = [1 / v for v in entry["tokens_per_s_rounds"]]
+        if name != reference and mine and ref:
+            entry.update(against=reference, **overhead_spread(mine, ref))
+
+
+def speeds_in_turns(trainee: lc.Trainee, names: Sequence[str], seq: int, costs: lc.CostModel | None,
+                    limit: int | None, host: int, say: Callable[[str], None], *, warmup: int = 1,
+                    steps: int = 1) -> dict[str, dict[str, Any]]:
+    """The strategies ``names`` at ``seq`` tokens, compared step by step.
+
+    First one probe of each (:func:`search_strategy` at ``seq`` alone, ``warmup`` and ``steps`` steps):
+    it finds the setting that runs there (the engine's and the planner's may need a second try) and
+    warms the strategy up at that length. Then the strategies that ran take turns
+    (:func:`take_turns`) for :func:`turn_rounds` rounds, and each one's step is compared with
+    :data:`REFERENCE`'s of the same round (``against``, ``overhead``, ``overhead_quartiles`` and
+    ``overhead_range``), where that one ran. A strategy whose probe did not run gets its probe.
+    """
+    found = {name: search_strategy(trainee, name, costs, limit, host, say, resolution=seq, max_seq=seq,
+                                   warmup=warmup, steps=steps, only=seq) for name in names}
+    settings = {name: f.setting for name, f in found.items() if f.setting is not None}
+    entries: dict[str, dict[str, Any]] = {}
+    if settings:
+        rounds = turn_rounds(len(settings), steps)
+        say(f"  taking turns at {seq} tokens: {rounds} rounds of one step of each of {', '.join(settings)}")
+        entries = take_turns(trainee, settings, seq, limit_bytes=limit, host_budget_bytes=host, rounds=rounds)
+    if REFERENCE in entries and entries[REFERENCE]["ok"]:
+        _against(entries, REFERENCE)
+    return {name: entries.get(name) or as_dict(f.best or (f.probes[-1] if f.probes else None))
+            for name, f in found.items()}
+
+
 def at_checkpoints_longest(trainee: lc.Trainee, costs: lc.CostModel | None, limit: int | None, host: int,
                            results: dict[str, Any], say: Callable[[str], None], *, warmup: int = 1,
                            steps: int = 1) -> tuple[int, dict[str, Any]]:
-    """``(checkpointing's longest length, {strategy: its probe there})`` for the strategies that ran at
-    least as long: what the longer sequences cost in speed where checkpointing still runs."""
+    """``(checkpointing's longest length, {strategy: its steps there})`` for checkpointing and the
+    strategies that ran at least as long, their steps taking turns (:func:`speeds_in_turns`): what the
+    longer sequences cost in speed where checkpointing still runs."""
     seq = (results.get("checkpoint") or {}).get("longest") or 0
     longer = [n for n, r in results.items() if n != "checkpoint" and seq and r["longest"] >= seq]
     if not longer:
         return seq, {}
     say(f"at {seq} tokens, the longest checkpointing ran:")
-    best = next(p for p in reversed(results["checkpoint"]["probes"]) if p["ok"] and p["seq"] == seq)
-    found = {n: search_strategy(trainee, n, costs, limit, host, say, resolution=seq, max_seq=seq, warmup=warmup,
-                                steps=steps, only=seq).best for n in longer}
-    return seq, {"checkpoint": best, **{n: as_dict(p) for n, p in found.items()}}
+    return seq, speeds_in_turns(trainee, ["checkpoint", *longer], seq, costs, limit, host, say, warmup=warmup,
+                                steps=steps)
+
+
+def _turn_row(name: str, t: dict[str, Any]) -> tuple[str, ...]:
+    """One strategy's steps taken in turns: tokens/s (median, slowest and fastest), and its step against
+    the reference's with the quartiles and extremes over the rounds."""
+    speeds = (name, f"{t['tokens_per_s']:,.0f}", "{:,.0f}–{:,.0f}".format(*t["tokens_per_s_range"]))
+    if "overhead" not in t:
+        return (*speeds, "(reference)" if name == REFERENCE else "-", "", "")
+    return (*speeds, f"{t['overhead']:+.1%}", "{:+.1%} .. {:+.1%}".format(*t["overhead_quartiles"]),
+            "{:+.1%} .. {:+.1%}".format(*t["overhead_range"]))
+
+
+def format_turns(turns: dict[str, Any], seq: int, where: str) -> list[str]:
+    """The lines of a report that give the strategies' steps at ``seq`` tokens taking turns
+    (:func:`speeds_in_turns`), a row each: tokens/s (median, slowest and fastest) and the step against
+    :data:`REFERENCE`'s with its quartiles and extremes; ``where`` says what the length is. None where
+    no strategy took turns (a report whose speeds there are single steps)."""
+    rows = [_turn_row(name, t) for name, t in turns.items() if t and t.get("rounds")]
+    if not rows:
+        return []
+    rounds = max(t["rounds"] for t in turns.values() if t and t.get("rounds"))
+    return ["", f"at {seq:,} tokens, {where}: {rounds} rounds taking turns, one step of each strategy a round",
+            format_table(rows, header=("strategy", "tokens/s", "slowest–fastest", f"step vs {REFERENCE}",
+                                       "quartiles", "min–max")),
+            f"step vs {REFERENCE}: the median over the rounds of a step's time over {REFERENCE}'s "
+            "step in the same round, less one; quartiles, min–max: of that ratio over the rounds"]

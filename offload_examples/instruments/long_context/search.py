@@ -49,13 +49,15 @@ class Probe:
 class SearchResult:
     """The longest length that ran (0: not even ``resolution``), every probe in the order run, the first
     prediction, and whether the search stopped at ``max_seq`` (the longest length it may try) rather
-    than at a failure."""
+    than at a failure. ``setting``: what ran at the longest length, where the caller's ``run`` tells
+    (the long-context strategies' :class:`~offload_examples.instruments.long_context.strategies.Setting`)."""
 
     longest: int
     resolution: int
     probes: list[Probe] = field(default_factory=list)
     predicted: int | None = None
     capped: bool = False
+    setting: object | None = None
 
     @property
     def best(self) -> Probe | None:
