@@ -56,9 +56,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     test ends: a run stopped by a time limit (a GPU node's call) still says what each finished test took,
     where ``--durations`` prints only at the end."""
     path = os.environ.get("OFFLOAD_EXAMPLES_TEST_LOG")
-    if not path or not (report.when == "call" or report.outcome != "passed"):
+    if not path or not (report.when == "call" or report.outcome != "passed" or report.duration >= 1):
         return
-    with open(path, "a") as log:  # setup and teardown lines only when they fail or skip
+    with open(path, "a") as log:  # setup and teardown lines when they fail, skip or take a second or more
         log.write(f"{report.outcome:8s}{report.duration:9.2f}s  {report.when:8s} {report.nodeid}\n")
 
 

@@ -10,8 +10,6 @@ replay is no slower than the eager offloaded step, and what cannot be captured f
 from __future__ import annotations
 
 import copy
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,6 +20,8 @@ from offload_examples.core.host_pool import HostBufferPool, NoFreeBufferError
 from offload_examples.instruments.measure import compare_grads, deterministic_kernels, measure_steps, training_step
 from offload_examples.instruments.models import build_basic_model, build_linear_stack
 from offload_examples.scenarios.cuda_graphs import GraphsConfig, format_report, run
+
+from fresh_processes import start_for_selected_tests
 
 
 def free_buffer_ids(pool: HostBufferPool) -> set[int]:
@@ -139,46 +139,20 @@ ctx, sync = get_cpu_offload_context(enabled=True, num_layers=2, model_layers=4, 
 """
 
 
-def _capture_fails(body: str, retain: bool = True) -> str:
-    """Run a capture that must fail in a fresh process and return its error output.
-
-    A capture that CUDA aborts leaves PyTorch's CUDA random generator marked as capturing for the
-    rest of the process, so these run apart from the other tests.
-    """
-    proc = subprocess.run([sys.executable, "-c", _SETUP.format(retain=retain) + body],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0, proc.stdout
-    return proc.stderr
-
-
-@pytest.mark.gpu
-def test_gpu_capture_without_warmed_buffers_fails_at_capture():
-    # The warm-up runs without offloading (it makes cuBLAS's handle and workspace, which a capture
-    # cannot), so the pool is empty when the capture needs layer 0's first buffer.
-    err = _capture_fails("""
+# The captures that must fail; keyed by their test.
+_PROGRAMS = {
+    "test_gpu_capture_without_warmed_buffers_fails_at_capture": _SETUP.format(retain=False) + """
 training_step(layers, x)
 torch.cuda.synchronize()
 with torch.cuda.graph(torch.cuda.CUDAGraph()):
     training_step(layers, x, ctx, sync)
-""", retain=False)
-    assert "GraphCaptureError: layer 0: no free host buffer" in err, err[-3000:]
-    assert "does not pin host memory during a CUDA graph capture" in err, err[-3000:]
-    assert "Run at least one eager step" in err, err[-3000:]
-
-
-@pytest.mark.gpu
-def test_gpu_timing_marks_cannot_be_captured():
-    err = _capture_fails("""
+""",
+    "test_gpu_timing_marks_cannot_be_captured": _SETUP.format(retain=True) + """
 from offload_examples.instruments.timeline import StepRecorder
 ctx.recorder = StepRecorder(torch.device("cuda", 0))
 capture_step(lambda x: training_step(layers, x, ctx, sync), x, layers.parameters())
-""")
-    assert "GraphCaptureError: timing marks" in err, err[-3000:]
-
-
-@pytest.mark.gpu
-def test_gpu_forward_and_backward_in_separate_graphs_is_a_clear_error():
-    err = _capture_fails("""
+""",
+    "test_gpu_forward_and_backward_in_separate_graphs_is_a_clear_error": _SETUP.format(retain=True) + """
 class Whole(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -192,7 +166,49 @@ class Whole(torch.nn.Module):
         return h
 
 torch.cuda.make_graphed_callables(Whole(), (x,))
-""")
+""",
+    "test_gpu_optimizer_offload_refuses_a_captured_backward": _SETUP.format(retain=True) + """
+from offload_examples import OptimizerOffload
+opt = OptimizerOffload(layers.parameters(), torch.optim.Adam, fraction=1.0)
+capture_step(lambda x: training_step(layers, x), x, layers.parameters())
+""",
+}
+
+
+@pytest.fixture(scope="module")
+def _capture_programs(request):
+    """Each capture that must fail runs in a fresh process: one that CUDA aborts leaves PyTorch's
+    CUDA random generator marked as capturing for the rest of the process. All start when the first
+    of their tests asks (after the timed report above), so that they overlap."""
+    yield from start_for_selected_tests(request, _PROGRAMS, timeout_s=120)
+
+
+def _capture_fails(request, programs) -> str:
+    """The error output of the requesting test's fresh process, which must have failed."""
+    done = programs.result(request.node.originalname)
+    assert done.returncode != 0, done.stdout
+    return done.stderr
+
+
+@pytest.mark.gpu
+def test_gpu_capture_without_warmed_buffers_fails_at_capture(request, _capture_programs):
+    # The warm-up runs without offloading (it makes cuBLAS's handle and workspace, which a capture
+    # cannot), so the pool is empty when the capture needs layer 0's first buffer.
+    err = _capture_fails(request, _capture_programs)
+    assert "GraphCaptureError: layer 0: no free host buffer" in err, err[-3000:]
+    assert "does not pin host memory during a CUDA graph capture" in err, err[-3000:]
+    assert "Run at least one eager step" in err, err[-3000:]
+
+
+@pytest.mark.gpu
+def test_gpu_timing_marks_cannot_be_captured(request, _capture_programs):
+    err = _capture_fails(request, _capture_programs)
+    assert "GraphCaptureError: timing marks" in err, err[-3000:]
+
+
+@pytest.mark.gpu
+def test_gpu_forward_and_backward_in_separate_graphs_is_a_clear_error(request, _capture_programs):
+    err = _capture_fails(request, _capture_programs)
     assert "GraphCaptureError: layer 1's saved tensors were offloaded in one CUDA graph capture" in err, err[-3000:]
     assert "captures forward and backward separately" in err, err[-3000:]
 
@@ -230,12 +246,8 @@ def test_gpu_per_module_graphs_inside_the_context_offload_nothing(cuda):
 
 
 @pytest.mark.gpu
-def test_gpu_optimizer_offload_refuses_a_captured_backward():
-    err = _capture_fails("""
-from offload_examples import OptimizerOffload
-opt = OptimizerOffload(layers.parameters(), torch.optim.Adam, fraction=1.0)
-capture_step(lambda x: training_step(layers, x), x, layers.parameters())
-""")
+def test_gpu_optimizer_offload_refuses_a_captured_backward(request, _capture_programs):
+    err = _capture_fails(request, _capture_programs)
     assert "GraphCaptureError: OptimizerOffload copies gradients in backward hooks" in err, err[-3000:]
     assert 'grad_copy="step"' in err, err[-3000:]
 

@@ -10,8 +10,8 @@ its ``DelayedScaling`` amax and scale updates are kernels on the modules' own te
 captured with the step and every replay updates the FP8 state as an eager step does.
 
 ``make_graphed_callables`` captures forward and backward as separate graphs. What that does with
-this package's context inside the callables is pinned here, in fresh processes (a capture CUDA
-aborts leaves the process unable to capture again): per-layer callables (Transformer Engine's
+this package's context inside the callables is pinned here, in fresh processes started when the
+module starts (a capture CUDA aborts leaves the process unable to capture again): per-layer callables (Transformer Engine's
 per-layer recipe) fail when the first layer's forward capture ends, with CUDA's unjoined-work
 error; one callable for the whole model (Transformer Engine's documented recipe for its own
 offloading) raises :class:`~offload_examples.GraphCaptureError` at the first reload. The CUDA-graph
@@ -28,8 +28,6 @@ two runs without offloading agree, so a mismatch is not blamed on offloading.
 from __future__ import annotations
 
 import contextlib
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -38,6 +36,8 @@ from offload_examples import get_cpu_offload_context
 from offload_examples.features.graphs import capture_step
 from offload_examples.instruments.measure import Measurement, compare_grads, snapshot
 from offload_examples.instruments.te_compare import RECIPES, fp8_autocast
+
+from fresh_processes import start_for_selected_tests
 
 pytestmark = pytest.mark.gpu
 
@@ -209,21 +209,7 @@ def warmed_up():
 """
 
 
-def _capture_fails(body: str) -> tuple[str, str]:
-    """Run a capture that must fail in a fresh process; return its stdout and stderr."""
-    proc = subprocess.run([sys.executable, "-c", _PREAMBLE + body], check=False, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode != 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout, proc.stderr
-
-
-def test_gpu_te_per_layer_graphed_callables_with_the_context_inside_fail_at_the_first_forward_capture():
-    """TE's per-layer recipe: one callable per layer, each entering the context. TE warms them up in
-    the order of a training step (every forward, then every backward), which the engine follows;
-    then it captures layer 0's forward alone. Its saved tensors' copies were forked onto the
-    device-to-host stream, and are joined back only by their release, at the forward of layer
-    N - k: CUDA ends that capture with "capturing stream has unjoined work". (docs/caveats.md)"""
-    out, err = _capture_fails("""
+_PER_LAYER = _PREAMBLE + """
 class Offloaded(torch.nn.Module):
     def __init__(self, index, layer):
         super().__init__()
@@ -240,19 +226,9 @@ class Offloaded(torch.nn.Module):
 callables = tuple(Offloaded(i, layer) for i, layer in enumerate(layers))
 te.make_graphed_callables(callables, tuple((sample(),) for _ in callables), post_warmup_hook=warmed_up)
 say("captured")
-""")
-    assert "warm-up done" in out, out + err[-3000:]
-    assert "capturing the forward of layer 0" in out, out + err[-3000:]
-    assert "capturing the forward of layer 1" not in out, out + err[-3000:]
-    assert "unjoined" in err, err[-3000:]
+"""
 
-
-def test_gpu_te_whole_model_graphed_callable_raises_at_the_first_reload():
-    """TE's documented recipe for its own offloading: the whole model as one callable, so one forward
-    graph and one backward graph. The forward capture offloads and releases layers 0..K-1 (their
-    copies are joined at release); the first reload, in the backward graph, would wait on the end of
-    a copy recorded in the forward graph, which CUDA forbids, and the engine says so."""
-    out, err = _capture_fails("""
+_WHOLE_MODEL = _PREAMBLE + """
 class Whole(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -268,7 +244,45 @@ class Whole(torch.nn.Module):
 
 te.make_graphed_callables(Whole(), (sample(),), post_warmup_hook=warmed_up)
 say("captured")
-""")
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _capture_programs(request, te):
+    """The two captures that must fail, each in a fresh process, started when this module starts so
+    that they run beside its other tests."""
+    programs = {"test_gpu_te_per_layer_graphed_callables_with_the_context_inside_fail_at_the_first_forward_capture":
+                _PER_LAYER, "test_gpu_te_whole_model_graphed_callable_raises_at_the_first_reload": _WHOLE_MODEL}
+    yield from start_for_selected_tests(request, programs, timeout_s=600)
+
+
+def _capture_fails(request, programs) -> tuple[str, str]:
+    """What the fresh process of the requesting test left; it must have failed."""
+    done = programs.result(request.node.originalname)
+    assert done.returncode != 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout, done.stderr
+
+
+def test_gpu_te_per_layer_graphed_callables_with_the_context_inside_fail_at_the_first_forward_capture(
+        request, _capture_programs):
+    """TE's per-layer recipe: one callable per layer, each entering the context. TE warms them up in
+    the order of a training step (every forward, then every backward), which the engine follows;
+    then it captures layer 0's forward alone. Its saved tensors' copies were forked onto the
+    device-to-host stream, and are joined back only by their release, at the forward of layer
+    N - k: CUDA ends that capture with "capturing stream has unjoined work". (docs/caveats.md)"""
+    out, err = _capture_fails(request, _capture_programs)
+    assert "warm-up done" in out, out + err[-3000:]
+    assert "capturing the forward of layer 0" in out, out + err[-3000:]
+    assert "capturing the forward of layer 1" not in out, out + err[-3000:]
+    assert "unjoined" in err, err[-3000:]
+
+
+def test_gpu_te_whole_model_graphed_callable_raises_at_the_first_reload(request, _capture_programs):
+    """TE's documented recipe for its own offloading: the whole model as one callable, so one forward
+    graph and one backward graph. The forward capture offloads and releases layers 0..K-1 (their
+    copies are joined at release); the first reload, in the backward graph, would wait on the end of
+    a copy recorded in the forward graph, which CUDA forbids, and the engine says so."""
+    out, err = _capture_fails(request, _capture_programs)
     assert "warm-up done" in out, out + err[-3000:]
     assert ("GraphCaptureError: layer 1's saved tensors were offloaded in one CUDA graph capture and are "
             "reloaded in another") in err, err[-3000:]
