@@ -13,6 +13,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import background  # noqa: E402
+import fresh_processes  # noqa: E402
 
 from offload_examples.instruments.models import has_transformer_engine, import_transformer_engine  # noqa: E402
 
@@ -32,6 +33,7 @@ if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # The docs tests last: the site builds in the background while the others run (background.py).
     items.sort(key=lambda item: item.path.name == "test_docs.py")  # a stable sort: same order otherwise
+    fresh_processes.remember_selected(config, items)
     if not config.option.collectonly:
         if any("build" in item.fixturenames for item in items):
             background.start_docs_build()

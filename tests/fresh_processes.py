@@ -68,11 +68,21 @@ class FreshProcesses:
                 self.result(name)
 
 
+#: (file name, function name) of every test this pytest run will run; tests/conftest.py fills it in
+#: once -m and -k have chosen.
+SELECTED_TESTS = pytest.StashKey[frozenset]()
+
+
+def remember_selected(config: pytest.Config, items: list[pytest.Item]) -> None:
+    config.stash[SELECTED_TESTS] = frozenset((item.path.name, item.originalname) for item in items)
+
+
 def start_for_selected_tests(request: pytest.FixtureRequest, programs: dict[str, str],
                              timeout_s: float) -> Iterator[FreshProcesses]:
     """The body of a module-scoped fixture: start the program of each test (keyed by the test's
     function name) that this run selected in the requesting module, yield them, kill what is left."""
-    selected = {item.originalname for item in request.session.items if item.module is request.module}
+    chosen = request.config.stash.get(SELECTED_TESTS, frozenset())
+    selected = {name for file, name in chosen if file == request.path.name}
     fresh = FreshProcesses({name: src for name, src in programs.items() if name in selected}, timeout_s)
     try:
         yield fresh
