@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 from offload_examples.core.host_pool import HostBufferPool
 from offload_examples.instruments.long_context import search
 from offload_examples.instruments.long_context.memory import CpuMemoryMeter
+from offload_examples.instruments.long_context import model as lc_model
 from offload_examples.instruments.long_context.model import chunked_cross_entropy, hf_missing
 from offload_examples.instruments.long_context.search import Probe, longest_sequence, predict_longest
 from offload_examples.instruments.long_context.strategies import STRATEGIES, choose
@@ -110,6 +112,19 @@ def test_the_cpu_meter_counts_what_ops_allocate_leaves_out_host_buffers_and_refu
         with CpuMemoryMeter(limit_bytes=1024):
             a = torch.ones(512)  # 2 KiB: the next operation is refused
             a + 1
+
+
+def test_peft_refusing_torchao_says_which_extra_brings_it(monkeypatch):
+    """peft refuses to import beside a torchao older than it supports, which the torchtune extra pins:
+    the scenario says which extra and what to do, instead of peft's bare version complaint."""
+    class RefusingPeft(type(os)):
+        def __getattr__(self, name):
+            raise ImportError("Found an incompatible version of torchao. Found version 0.14.1, but only versions "
+                              "above 0.16.0 are supported")
+
+    monkeypatch.setitem(sys.modules, "peft", RefusingPeft("peft"))
+    with pytest.raises(ImportError, match="torchtune extra pins an older torchao .* environment without torchtune"):
+        lc_model._import_peft()
 
 
 def test_the_chunked_loss_equals_the_whole_one_and_its_gradient():

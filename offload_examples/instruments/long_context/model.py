@@ -40,6 +40,20 @@ def hf_missing() -> str | None:
     return None
 
 
+def _import_peft():
+    """peft's ``LoraConfig`` and ``get_peft_model``. peft refuses to import beside a torchao older than it
+    supports, and the ``torchtune`` extra pins such a torchao: say so instead of failing deep inside peft."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as err:
+        if "torchao" not in str(err):
+            raise
+        raise ImportError(f"peft does not import beside the installed torchao ({err}). The torchtune extra pins an older "
+                          "torchao (torchtune 0.6 imports with torchao 0.14): run the long-context scenario in an "
+                          "environment without torchtune, or upgrade torchao") from err
+    return LoraConfig, get_peft_model
+
+
 def llama_parameters(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int) -> int:
     """How many parameters the base model of these sizes has (embeddings and LM head untied)."""
     kv = hidden // heads * kv_heads
@@ -64,7 +78,8 @@ def build_lora_llama(layers: int, hidden: int, heads: int, kv_heads: int, ffn: i
     if (why := hf_missing()) is not None:
         raise ModuleNotFoundError(why)
     import transformers
-    from peft import LoraConfig, get_peft_model
+
+    LoraConfig, get_peft_model = _import_peft()
 
     if hidden % heads or heads % kv_heads:
         raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads}), and heads by kv_heads ({kv_heads})")
