@@ -306,7 +306,7 @@ def test_a_strategy_that_loses_a_gradient_differs(monkeypatch):
 
 
 def test_transformer_engines_offload_is_skipped_on_torch_layers(monkeypatch):
-    """TE's offload raised on PyTorch's layers and kept ~77 GiB allocated on the H100: skipped, with why."""
+    """TE's offload raises on PyTorch's layers and keeps what it held: skipped, with why."""
     monkeypatch.setattr(strategies, "has_transformer_engine", lambda: True)
     cuda = torch.device("cuda")
     assert bench.available("transformer_engine", cuda, TORCH_LAYER) == bench.TE_ON_TORCH_LAYERS

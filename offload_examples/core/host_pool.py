@@ -1,6 +1,6 @@
 """Host buffers for offloaded storages, reused across iterations.
 
-Pinning host memory is slow (about half a second per GiB on the H100 node), so the engine
+Pinning host memory is slow (far slower than copying the same bytes over the link), so the engine
 never pins on the hot path once training has reached a steady state: every offloaded storage
 borrows a buffer of exactly its size from this pool and gives it back when autograd no longer
 needs it. Training steps repeat the same shapes, so after the first step every request is met

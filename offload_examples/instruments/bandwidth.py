@@ -87,8 +87,8 @@ def link_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5, rounds: int = 3)
 
     The three are timed in ``rounds`` rounds taken in turn (each a median of ``repeats`` copies), and
     each keeps its fastest round: the speed of the link when nothing else holds it back, which is
-    what the engine's copies reach in a run. A single round can read well below that (by a tenth on
-    an H100), and a planner given the slow figure overpredicts every plan that offloads.
+    what the engine's copies reach in a run. A single round can read well below that, and a planner
+    given the slow figure overpredicts every plan that offloads.
     """
     if rounds < 1 or repeats < 1:
         raise ValueError(f"need rounds >= 1 and repeats >= 1, got rounds={rounds}, repeats={repeats}")

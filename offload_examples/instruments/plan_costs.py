@@ -422,8 +422,8 @@ def _hook_free_engine(offloaded: Sequence[int], n: int, device: torch.device) ->
 OFFLOAD_SAMPLE = 2
 #: One layer in this many of a kind (at least one) is recomputed in the run that times recomputing
 #: them. Not all: on Transformer Engine's layers the backward has host time to spare while most
-#: layers are kept, and recomputing every layer uses it up (on an H100, 12 layers all recomputed cost
-#: about 5.8 ms a layer, 2 to 8 of them about 3.3 ms).
+#: layers are kept, and recomputing every layer uses it up, so each recomputed layer then costs more
+#: than in a plan that recomputes a few.
 RECOMPUTE_SHARE = 4
 
 
@@ -468,9 +468,8 @@ def _per_choice(costs: list[LayerCost], layers: Sequence[nn.Module], source: tor
     by several percent within a minute).
 
     Why the whole step: on a launch-bound step (Transformer Engine's layers) what offloading costs
-    shows up in the layers after the one offloaded, whose host work runs while its copies do; that
-    layer's own forward grows by 1.3-2.6 ms on an H100 while plans offloading two layers run about
-    7 ms a layer slower. Why a few layers: with every layer offloaded the copies
+    shows up in the layers after the one offloaded, whose host work runs while its copies do, so that
+    layer's own forward grows by much less than the step. Why a few layers: with every layer offloaded the copies
     take longer than the forward, the compute stream waits for them and falls behind the host, and
     the host work of the engine hides behind those waits, as it does not in a plan that offloads
     few; recomputing every layer used up host time the backward has to spare (:data:`RECOMPUTE_SHARE`).

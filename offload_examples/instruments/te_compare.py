@@ -32,7 +32,8 @@ from offload_examples.instruments.models import import_transformer_engine
 
 __all__ = ["RECIPES", "TeModel", "compare_with_te", "fp8_autocast", "summarize", "te_tutorial_model"]
 
-#: The precision recipes an H100 runs: bf16, and FP8 with TE's delayed and current scaling.
+#: The precision recipes compared: bf16, and FP8 with TE's delayed and current scaling (FP8 needs a GPU of
+#: compute capability 8.9 or later, such as the H100 and H200).
 RECIPES = ("bf16", "DelayedScaling", "Float8CurrentScaling")
 
 

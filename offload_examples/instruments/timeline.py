@@ -401,7 +401,7 @@ def prefetch_summary(lanes: Sequence[StreamLane], gap_ms: float = 0.005,
         ended (from its last kernel, or from the burst's start if later). That is the time
         compute waited for all-gathers: a prefetch that finishes in time adds nothing.
         ``local_copy_ms``: device-to-device copies on the compute stream. With one rank FSDP2
-        launches no all-gather stream work at all (seen on an H100 with torch 2.11): it gathers
+        launches no all-gather stream work at all (torch 2.11): it gathers
         with a copy in GPU memory on the compute stream, and this is that copy's time.
     """
     spans = [sp for lane in lanes for sp in lane.spans]

@@ -43,7 +43,7 @@ PLANNER_PREDICTION_ERROR = 0.05
 
 
 #: Measured peaks this close (relative) count as the same: a plan equal in bytes to a pure run also has
-#: the engine's bookkeeping (1 KiB more than ``checkpoint`` on model A-torch on an H100).
+#: the engine's bookkeeping (about a KiB more than ``checkpoint``).
 PLANNER_PEAK_NOISE = 0.001
 
 

@@ -44,9 +44,9 @@ def run(config: BenchConfig | None = None, device: torch.device | str | None = N
 
     ``partial`` is called with the results so far after each model (to write them as they come).
 
-    ``isolate`` runs each model in a fresh process (default: on CUDA). A first full-size run on the
-    H100 had a previous model's 78 GiB still allocated when the next was built; and a strategy that
-    leaves the device unusable (:class:`DeviceLost`) ends only its model's process, which starts again
+    ``isolate`` runs each model in a fresh process (default: on CUDA): what a strategy leaks (a library
+    that keeps its memory after a failure) does not stay allocated when the next model is built; and a
+    strategy that leaves the device unusable (:class:`DeviceLost`) ends only its model's process, which starts again
     without it.
     """
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

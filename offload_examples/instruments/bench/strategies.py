@@ -51,8 +51,8 @@ SAVE_ON_CPU_ON_TE = ("crashes with Transformer Engine layers: CUDA illegal memor
 
 
 #: Transformer Engine's offload on PyTorch's layers: it raises at the first step and keeps what it held.
-TE_ON_TORCH_LAYERS = ("runs on Transformer Engine's layers only: on PyTorch's it raised 'Tensor at index 4 "
-                      "must be contiguous for CPU offload' and then kept ~77 GiB allocated (H100, TE 2.20.2)")
+TE_ON_TORCH_LAYERS = ("runs on Transformer Engine's layers only: on PyTorch's it raises 'Tensor at index 4 "
+                      "must be contiguous for CPU offload' at the first step and keeps what it held (TE 2.20.2)")
 
 
 def available(strategy: str, device: torch.device, kind: str | None = None) -> str | None:
