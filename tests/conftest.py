@@ -13,7 +13,6 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import background  # noqa: E402
-import fresh_processes  # noqa: E402
 
 from offload_examples.instruments.models import has_transformer_engine, import_transformer_engine  # noqa: E402
 
@@ -33,24 +32,25 @@ if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # The docs tests last: the site builds in the background while the others run (background.py).
     items.sort(key=lambda item: item.path.name == "test_docs.py")  # a stable sort: same order otherwise
-    fresh_processes.remember_selected(config, items)
     if not config.option.collectonly:
         if any("build" in item.fixturenames for item in items):
             background.start_docs_build()
         background.start_small_runs([item.callspec.params["nb"] for item in items
                                      if item.originalname == "test_notebook_runs_small_on_cpu"])
-    if torch.cuda.is_available():
-        return
-    if os.environ.get("OFFLOAD_EXAMPLES_REQUIRE_GPU") == "1":
-        fail = pytest.mark.usefixtures("_require_gpu")
-        for item in items:
-            if "gpu" in item.keywords:
-                item.add_marker(fail)
-        return
+    if torch.cuda.is_available() or os.environ.get("OFFLOAD_EXAMPLES_REQUIRE_GPU") == "1":
+        return  # the GPU tests run (and, without CUDA, pytest_runtest_setup fails them)
     skip = pytest.mark.skip(reason="needs CUDA (set OFFLOAD_EXAMPLES_REQUIRE_GPU=1 to fail instead)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A GPU test fails, before any of its fixtures, where CUDA is missing but required: a fixture added
+    to the test after collection would not be set up, and the test could pass without a GPU."""
+    if ("gpu" in item.keywords and os.environ.get("OFFLOAD_EXAMPLES_REQUIRE_GPU") == "1"
+            and not torch.cuda.is_available()):
+        pytest.fail("OFFLOAD_EXAMPLES_REQUIRE_GPU=1 but CUDA is not available")
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -62,11 +62,6 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         return
     with open(path, "a") as log:  # setup and teardown lines when they fail, skip or take a second or more
         log.write(f"{report.outcome:8s}{report.duration:9.2f}s  {report.when:8s} {report.nodeid}\n")
-
-
-@pytest.fixture
-def _require_gpu() -> None:
-    pytest.fail("OFFLOAD_EXAMPLES_REQUIRE_GPU=1 but CUDA is not available")
 
 
 @pytest.fixture

@@ -38,10 +38,15 @@ class FreshProcesses:
         self.timeout_s = timeout_s
         self._started: dict[str, tuple[subprocess.Popen, IO[str], IO[str]]] = {}
         self._done: dict[str, Finished] = {}
-        for name, source in programs.items():
-            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-            proc = subprocess.Popen([sys.executable, "-c", source], stdout=out, stderr=err, text=True)
-            self._started[name] = (proc, out, err)
+        try:
+            for name, source in programs.items():
+                # undecodable bytes (a library's binary noise) must not keep the rest from being read
+                out, err = (tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") for _ in range(2))
+                proc = subprocess.Popen([sys.executable, "-c", source], stdout=out, stderr=err, text=True)
+                self._started[name] = (proc, out, err)
+        except BaseException:  # those started already must not outlive the failure
+            self.close()
+            raise
 
     def result(self, name: str) -> Finished:
         if name not in self._done:
@@ -60,29 +65,21 @@ class FreshProcesses:
         return self._done[name]
 
     def close(self) -> None:
-        for name in list(self._started):
-            if name not in self._done:
-                proc = self._started[name][0]
-                if proc.poll() is None:
-                    proc.kill()
-                self.result(name)
-
-
-#: (file name, function name) of every test this pytest run will run; tests/conftest.py fills it in
-#: once -m and -k have chosen.
-SELECTED_TESTS = pytest.StashKey[frozenset]()
-
-
-def remember_selected(config: pytest.Config, items: list[pytest.Item]) -> None:
-    config.stash[SELECTED_TESTS] = frozenset((item.path.name, item.originalname) for item in items)
+        """Kill every program still running, then collect them all."""
+        for name, (proc, _, _) in self._started.items():
+            if name not in self._done and proc.poll() is None:
+                proc.kill()
+        for name in self._started:
+            self.result(name)
 
 
 def start_for_selected_tests(request: pytest.FixtureRequest, programs: dict[str, str],
                              timeout_s: float) -> Iterator[FreshProcesses]:
     """The body of a module-scoped fixture: start the program of each test (keyed by the test's
     function name) that this run selected in the requesting module, yield them, kill what is left."""
-    chosen = request.config.stash.get(SELECTED_TESTS, frozenset())
-    selected = {name for file, name in chosen if file == request.path.name}
+    # The root of the collection holds the tests that will run, once every plugin (-m, -k, --lf) has chosen.
+    root = request.node.listchain()[0]
+    selected = {item.originalname for item in root.items if item.path == request.path}
     fresh = FreshProcesses({name: src for name, src in programs.items() if name in selected}, timeout_s)
     try:
         yield fresh

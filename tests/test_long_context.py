@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -114,17 +113,19 @@ def test_the_cpu_meter_counts_what_ops_allocate_leaves_out_host_buffers_and_refu
             a + 1
 
 
+@pytest.mark.skipif(hf_missing() is not None, reason="needs transformers and peft (the hf extra)")
 def test_peft_refusing_torchao_says_which_extra_brings_it(monkeypatch):
-    """peft refuses to import beside a torchao older than it supports, which the torchtune extra pins:
-    the scenario says which extra and what to do, instead of peft's bare version complaint."""
-    class RefusingPeft(type(os)):
-        def __getattr__(self, name):
-            raise ImportError("Found an incompatible version of torchao. Found version 0.14.1, but only versions "
-                              "above 0.16.0 are supported")
+    """peft refuses to put adapters on a model beside a torchao older than it supports, which the
+    torchtune extra pins: building the model says which extra and what to do, not peft's bare complaint."""
+    import peft.tuners.lora.torchao as lora_torchao
 
-    monkeypatch.setitem(sys.modules, "peft", RefusingPeft("peft"))
+    def refuse():
+        raise ImportError("Found an incompatible version of torchao. Found version 0.14.1, but only versions above "
+                          "0.16.0 are supported")
+
+    monkeypatch.setattr(lora_torchao, "is_torchao_available", refuse)
     with pytest.raises(ImportError, match="torchtune extra pins an older torchao .* environment without torchtune"):
-        lc_model._import_peft()
+        lc_model.build_lora_llama(layers=1, hidden=32, heads=2, kv_heads=1, ffn=64, vocab=100, max_seq=64)
 
 
 def test_the_chunked_loss_equals_the_whole_one_and_its_gradient():

@@ -13,6 +13,7 @@ only when a model is built.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import warnings
 from typing import Any
@@ -40,18 +41,19 @@ def hf_missing() -> str | None:
     return None
 
 
-def _import_peft():
-    """peft's ``LoraConfig`` and ``get_peft_model``. peft refuses to import beside a torchao older than it
-    supports, and the ``torchtune`` extra pins such a torchao: say so instead of failing deep inside peft."""
+@contextlib.contextmanager
+def _torchao_hint():
+    """peft refuses to work beside a torchao older than it supports (when it imports, or when it puts
+    adapters on a model), and the ``torchtune`` extra pins such a torchao: say so instead of peft's bare
+    version complaint."""
     try:
-        from peft import LoraConfig, get_peft_model
+        yield
     except ImportError as err:
         if "torchao" not in str(err):
             raise
-        raise ImportError(f"peft does not import beside the installed torchao ({err}). The torchtune extra pins an older "
+        raise ImportError(f"peft does not work beside the installed torchao ({err}). The torchtune extra pins an older "
                           "torchao (torchtune 0.6 imports with torchao 0.14): run the long-context scenario in an "
                           "environment without torchtune, or upgrade torchao") from err
-    return LoraConfig, get_peft_model
 
 
 def llama_parameters(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int) -> int:
@@ -79,7 +81,8 @@ def build_lora_llama(layers: int, hidden: int, heads: int, kv_heads: int, ffn: i
         raise ModuleNotFoundError(why)
     import transformers
 
-    LoraConfig, get_peft_model = _import_peft()
+    with _torchao_hint():
+        from peft import LoraConfig, get_peft_model
 
     if hidden % heads or heads % kv_heads:
         raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads}), and heads by kv_heads ({kv_heads})")
@@ -96,7 +99,8 @@ def build_lora_llama(layers: int, hidden: int, heads: int, kv_heads: int, ffn: i
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
         # adapters in the model's dtype: peft's float32 adapters would save a float32 copy of every projection's
         # input for the backward, about as much again as the layer saves in bfloat16
-        return get_peft_model(model, lora, autocast_adapter_dtype=False).train()
+        with _torchao_hint():
+            return get_peft_model(model, lora, autocast_adapter_dtype=False).train()
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
