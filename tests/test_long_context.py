@@ -21,6 +21,7 @@ from offload_examples.instruments.long_context import model as lc_model
 from offload_examples.instruments.long_context.model import chunked_cross_entropy, hf_missing
 from offload_examples.instruments.long_context.search import Probe, longest_sequence, predict_longest
 from offload_examples.instruments.long_context.strategies import STRATEGIES, choose
+from offload_examples.instruments.measure import balanced_rounds
 
 CPU = torch.device("cpu")
 TINY = dict(layers=4, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=128, lora_rank=4, loss_chunk=32, resolution=32,
@@ -326,7 +327,7 @@ def test_strategies_take_turns_in_balanced_orders_and_one_that_runs_out_leaves_t
     assert turns["checkpoint"]["rounds"] == 6 and turns["checkpoint"]["ok"]
     low, high = turns["checkpoint"]["tokens_per_s_range"]
     assert low <= turns["checkpoint"]["tokens_per_s"] <= high and len(turns["checkpoint"]["tokens_per_s_rounds"]) == 6
-    assert probes.turn_rounds(3, 1) == 6 and probes.turn_rounds(2, 3) == 4 and probes.turn_rounds(5, 11) == 20
+    assert balanced_rounds(3, 1) == 6 and balanced_rounds(2, 3) == 4 and balanced_rounds(5, 11) == 20
 
 
 def test_speeds_at_one_length_are_compared_with_checkpointing_round_by_round(monkeypatch):

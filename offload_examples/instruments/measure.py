@@ -19,11 +19,10 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = [
-    "GradCheck", "Measurement", "StepReport", "balanced_orders", "compare_grads", "compare_tensors",
-    "deterministic_kernels", "free_memory", "host_copy", "measure_paired", "measure_round_robin",
+    "GradCheck", "Measurement", "StepReport", "balanced_orders", "balanced_rounds", "compare_grads", "compare_tensors",
+    "deterministic_kernels", "free_memory", "host_copy", "local_part", "measure_paired", "measure_round_robin",
     "measure_stage_steps", "measure_steps", "memory_by_phase", "overhead_spread", "paired_overhead", "quartiles",
-    "resident_vs_theory", "snapshot",
-    "training_step",
+    "resident_vs_theory", "snapshot", "training_step",
 ]
 
 Progress = Callable[[str], None]
@@ -134,10 +133,15 @@ class StepReport:
         self.last = time.perf_counter()
 
 
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t`` where it is sharded (a DTensor, as FSDP2's parameters and their
+    gradients are); ``t`` itself otherwise."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A detached copy of ``t`` in host memory; of this rank's part where ``t`` is sharded (a DTensor, as
-    FSDP2's parameters and their gradients are)."""
-    return (t.to_local() if hasattr(t, "to_local") else t).detach().to("cpu", copy=True)
+    """A detached copy of ``t`` in host memory; of this rank's part where ``t`` is sharded."""
+    return local_part(t).detach().to("cpu", copy=True)
 
 
 def snapshot(model: nn.Module, x: torch.Tensor, out: torch.Tensor, label: str = "") -> Measurement:
@@ -306,6 +310,13 @@ def balanced_orders(n: int) -> list[list[int]]:
             high -= 1
     rows = [[(b + i) % n for b in base] for i in range(n)]
     return rows if n % 2 == 0 else rows + [row[::-1] for row in rows]
+
+
+def balanced_rounds(runs: int, at_least: int) -> int:
+    """The fewest rounds, at least ``at_least`` (and one), that take :func:`balanced_orders` of ``runs`` runs
+    in whole cycles: each run then goes first, and follows every other, equally often."""
+    cycle = len(balanced_orders(runs))
+    return -(-max(at_least, 1) // cycle) * cycle
 
 
 def measure_round_robin(runs: Mapping[str, Run], *, steps: int = 10, warmup: int = 2) -> dict[str, Measurement]:

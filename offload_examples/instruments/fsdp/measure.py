@@ -16,8 +16,9 @@ from offload_examples import OffloadEngine
 from offload_examples.features.planner import KEEP, OFFLOAD, RECOMPUTE, Plan, plan, simulate_plan
 from offload_examples.instruments.fsdp.config import FsdpConfig
 from offload_examples.instruments.fsdp.trace import _profile, paired_prefetch, stream_activity, timeline_figure
-from offload_examples.instruments.measure import (Measurement, balanced_orders, deterministic_kernels, free_memory,
-                                                  host_copy, measure_round_robin, overhead_spread, resident_vs_theory)
+from offload_examples.instruments.measure import (Measurement, balanced_orders, balanced_rounds, compare_tensors,
+                                                  deterministic_kernels, free_memory, host_copy, local_part,
+                                                  measure_round_robin, overhead_spread, resident_vs_theory)
 from offload_examples.instruments.models import build_basic_model
 from offload_examples.instruments.plan_costs import measure_costs, measure_link
 from offload_examples.instruments.timeline import StreamLane, stream_spans_from_trace
@@ -113,8 +114,7 @@ def time_in_turns(cases: Sequence[Case], x: torch.Tensor, config: FsdpConfig,
     (:func:`~offload_examples.instruments.measure.measure_round_robin`): ``config.warmup`` rounds, then
     ``config.steps`` rounds, rounded up to a multiple of the orders' cycle so that each case goes first
     equally often. Each case's memory is what one of its steps added to what was allocated before it."""
-    cycle = len(balanced_orders(len(cases)))
-    rounds = -(-config.steps // cycle) * cycle
+    rounds = balanced_rounds(len(cases), config.steps)
     runs = {case.label: (case.stack, x, partial(case.step, x)) for case in cases}
     measured = measure_round_robin(runs, steps=rounds, warmup=config.warmup)
     for label, m in measured.items():
@@ -167,7 +167,7 @@ def measure_cases(cases: Sequence[Case], x: torch.Tensor, config: FsdpConfig, de
                 out[label]["streams"], out[label]["copy_overlap_ms"] = stream_activity(traces[0])
     if config.cpu_params:  # what FSDP keeps in (pinned) host memory: this rank's shards and their gradients
         for case in cases:
-            out[case.label]["host_param_bytes"] = sum(host_copy(t).nbytes for p in case.stack.parameters()
+            out[case.label]["host_param_bytes"] = sum(local_part(t).nbytes for p in case.stack.parameters()
                                                       for t in (p, p.grad) if t is not None)
     return out
 
@@ -177,23 +177,13 @@ def _plain(name: str) -> str:
     return name.replace(".layer.", ".", 1) if name.startswith("layers.") else name
 
 
-def _compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[bool, float]:
-    """Bitwise equality of two dicts of tensors, and the largest absolute difference."""
-    if a.keys() != b.keys():
-        return False, float("inf")
-    worst = max(((x.float() - y.float()).abs().max().item() for x, y in zip(a.values(), b.values()) if x.numel()),
-                default=0.0)
-    return all(torch.equal(a[k], b[k]) for k in a), worst
-
-
 def compare_runs(rank: int, config: FsdpConfig, base: dict[str, Any], off: dict[str, Any], chosen: Plan | None,
                  keep_all: int, trace_dir: str | None) -> dict[str, Any]:
     """One rank's result: the runs without (``base``) and with offloading (``off``) of
     :func:`measure_cases` side by side, their steps compared round by round,
     and the plan ``chosen`` (``keep_all``: the predicted peak of keeping every layer) with its
     predictions against the measurement."""
-    grads_equal, grad_diff = _compare(base["grads"], off["grads"])
-    params_equal, param_diff = _compare(base["params"], off["params"])
+    grads, params = compare_tensors(base["grads"], off["grads"]), compare_tensors(base["params"], off["params"])
     stats, theory = off["stats"], off["theory"]
     out: dict[str, Any] = {
         "rank": rank,
@@ -214,11 +204,11 @@ def compare_runs(rank: int, config: FsdpConfig, base: dict[str, Any], off: dict[
         "host_pinned_bytes": off["host_pinned_bytes"],
         "host_param_bytes": off.get("host_param_bytes"),
         **_timing_results(base, off),
-        "grads_equal": grads_equal,
-        "params_equal": params_equal,
+        "grads_equal": grads.equal,
+        "params_equal": params.equal,
         "grads_compared": len(base["grads"]),
         "params_compared": len(base["params"]),
-        "max_abs_diff": max(grad_diff, param_diff),
+        "max_abs_diff": max(grads.max_abs_diff, params.max_abs_diff),
     }
     # recomputed layers free bytes too, which the engine's theory (its offloads) does not count
     out["recomputes"] = bool(config.checkpoint) or (chosen is not None and bool(chosen.recomputed))

@@ -16,11 +16,12 @@ from typing import Any
 from offload_examples.instruments.long_context import strategies as lc
 from offload_examples.instruments.long_context.memory import OutOfMemoryError
 from offload_examples.instruments.long_context.search import Probe, SearchResult, longest_sequence
-from offload_examples.instruments.measure import balanced_orders, compare_tensors, free_memory, overhead_spread
+from offload_examples.instruments.measure import (balanced_orders, balanced_rounds, compare_tensors, free_memory,
+                                                  overhead_spread)
 from offload_examples.instruments.report import format_table
 
 __all__ = ["REFERENCE", "SHORT", "as_dict", "at_checkpoints_longest", "check_grads", "format_turns",
-           "search_strategy", "speeds_in_turns", "take_turns", "turn_rounds"]
+           "search_strategy", "speeds_in_turns", "take_turns"]
 
 #: The strategy the others' steps are compared with at one length, where it ran there: checkpointing,
 #: which every long-context recipe starts from.
@@ -121,14 +122,6 @@ def as_dict(probe: Probe | None) -> dict[str, Any] | None:
     return probe and dataclasses.asdict(probe)
 
 
-def turn_rounds(strategies: int, steps: int) -> int:
-    """Rounds of :func:`take_turns` for ``strategies`` strategies: at least ``steps``, in whole cycles of
-    :func:`~offload_examples.instruments.measure.balanced_orders` (so that each strategy comes right
-    after every other equally often)."""
-    cycle = len(balanced_orders(strategies))
-    return -(-max(steps, 1) // cycle) * cycle
-
-
 def _turns_entry(seq: int, probes: list[Probe], note: str, failed: str | None) -> dict[str, Any]:
     """One strategy's steps of :func:`take_turns`, as the report keeps them."""
     speeds = [p.tokens_per_s for p in probes]
@@ -191,7 +184,8 @@ def speeds_in_turns(trainee: lc.Trainee, names: Sequence[str], seq: int, costs: 
     First one probe of each (:func:`search_strategy` at ``seq`` alone, ``warmup`` and ``steps`` steps):
     it finds the setting that runs there (the engine's and the planner's may need a second try) and
     warms the strategy up at that length. Then the strategies that ran take turns
-    (:func:`take_turns`) for :func:`turn_rounds` rounds, and each one's step is compared with
+    (:func:`take_turns`) for
+    :func:`~offload_examples.instruments.measure.balanced_rounds` rounds, and each one's step is compared with
     :data:`REFERENCE`'s of the same round (``against``, ``overhead``, ``overhead_quartiles`` and
     ``overhead_range``), where that one ran. A strategy whose probe did not run gets its probe.
     """
@@ -200,7 +194,7 @@ def speeds_in_turns(trainee: lc.Trainee, names: Sequence[str], seq: int, costs: 
     settings = {name: f.setting for name, f in found.items() if f.setting is not None}
     entries: dict[str, dict[str, Any]] = {}
     if settings:
-        rounds = turn_rounds(len(settings), steps)
+        rounds = balanced_rounds(len(settings), steps)
         say(f"  taking turns at {seq} tokens: {rounds} rounds of one step of each of {', '.join(settings)}")
         entries = take_turns(trainee, settings, seq, limit_bytes=limit, host_budget_bytes=host, rounds=rounds)
     if REFERENCE in entries and entries[REFERENCE]["ok"]:
