@@ -169,6 +169,7 @@ class EngineEntries:
                     self._new_iteration()
                 j = self._entered
                 self._move(j, LayerState.RUNNING, f"the forward of entry {j} started")
+                self._start_deferred_offloads()  # before the actions: a release waits for these copies
                 ready = self._mark()
                 waited = self._run_actions("forward", j)
                 self.events.append(("forward", j))
@@ -206,13 +207,26 @@ class EngineEntries:
             try:
                 offloading = self.schedule.is_offloaded(j) and self.schedule.offload_at_exit
                 self._move(j, LayerState.OFFLOADING if offloading else LayerState.SAVED, "its forward ended")
-                if offloading:
+                per_layer = self.capture_scope == "layer" and self.capturing()
+                if offloading and per_layer and j + 1 < self.model_layers:
+                    self._deferred_offloads.append(j)  # its copies ride in the next layer's graph
+                elif offloading:
                     self._start_offload(j)
+                if per_layer:  # this layer's graph may end here: no copy forked in it may outlive it
+                    self.streams.join()
             except BaseException:
                 self._abort()
                 raise
             self.resident_trace.append(("forward", j, self.resident_bytes))
             self._entered += 1
+
+    def _start_deferred_offloads(self) -> None:
+        """Per-layer graphs: queue the copies of the layers whose forward ended in an earlier graph.
+        They run beside this layer's forward, in its graph, which joins them at its exit; replays run
+        the graphs in the order they were captured, so the copies read what the earlier graph wrote."""
+        deferred, self._deferred_offloads = self._deferred_offloads, []
+        for layer in deferred:
+            self._start_offload(layer)
 
     @_disabled_for_dynamo
     def sync(self, x: torch.Tensor) -> torch.Tensor:
@@ -269,6 +283,8 @@ class EngineEntries:
             self.events.append(("backward", layer))
             ready = self._mark()
             waited = self._run_actions("backward", layer)
+            if self.capturing():  # the reloads forked here must be joined before this backward's capture ends
+                torch.autograd.Variable._execution_engine.queue_callback(self.streams.join)
             self.resident_trace.append(("backward", layer, self.resident_bytes))
             self._note_phase("backward", layer, ready if waited else None)
 

@@ -27,17 +27,11 @@ def in_place_error(layer: int) -> RuntimeError:
 
 def capture_mismatch_error(layer: int, captured: bool, what: str) -> GraphCaptureError:
     """A record of one CUDA graph capture used outside it, or one made outside used inside."""
-    if captured and what == "reloaded in another capture":
-        return GraphCaptureError(
-            f"layer {layer}'s saved tensors were offloaded in one CUDA graph capture and are reloaded in "
-            "another (make_graphed_callables captures forward and backward separately). Capture the "
-            "forward and the backward of the offloaded layers in one graph."
-        )
     if captured:
         return GraphCaptureError(
             f"layer {layer}'s saved tensors were offloaded inside a CUDA graph capture but are {what} outside "
-            "it. Capture the forward and the backward of the offloaded layers in one graph "
-            "(torch.cuda.graph around the whole training step)."
+            "it. Capture the backward of the offloaded layers too: a whole step (capture_step), a whole "
+            "model's forward and backward (make_graphed_callables), or every layer (make_graphed_layers)."
         )
     return GraphCaptureError(
         f"layer {layer}'s saved tensors were offloaded before the CUDA graph capture began but are {what} "

@@ -64,6 +64,7 @@ class EngineIterations:
             self._backwards: set[int] = set()
             self._remove_leaf_hooks()  # sync's hooks on leaves the caller keeps (see entries.py)
             self._triggers, self._graph_dropped = [], False
+            self._deferred_offloads: list[int] = []  # layers whose copies start at the next entry (per-layer graphs)
 
     def _abort(self) -> None:
         """A step failed: give back every buffer and start afresh."""

@@ -59,6 +59,27 @@ class EngineSettings:
 
     #: The chosen submodules (:meth:`offload_modules`), or ``None``: every module of an offloaded layer.
     selection: ModuleSelection | None
+    #: What one CUDA graph capture holds: ``"step"`` (a whole step, or a whole model's forward and its
+    #: backward) or ``"layer"`` (one layer's forward, or its backward); see :meth:`set_capture_scope`.
+    capture_scope: str = "step"
+
+    def set_capture_scope(self, scope: str) -> None:
+        """Say how captures cut the step: ``"layer"`` when each layer is captured in a graph of its own
+        (``make_graphed_callables`` with one callable per layer;
+        :func:`~offload_examples.features.graphs.make_graphed_layers` sets it).
+
+        Per layer, a layer's copies to the host start at the next layer's entry and are joined at its
+        exit, so they run beside that layer's forward inside its graph, and no graph ends with a copy
+        still forked from it. With ``"step"`` (the default) the copies start as each layer's forward
+        ends, and the release of their layer joins them, as in an eager step. Eager steps behave the
+        same under both.
+        """
+        if scope not in ("step", "layer"):
+            raise ValueError(f"capture scope must be 'step' or 'layer', got {scope!r}")
+        if scope == "layer" and not self.schedule.offload_at_exit:
+            raise ValueError("capture scope 'layer' needs a schedule whose copies start as a layer's forward ends: "
+                             "with the manual synchronizer the caller decides when copies start")
+        self.capture_scope = scope
 
     def release_buffers(self) -> None:
         """Free the pinned host buffers that are not in use (those of captured graphs stay)."""

@@ -20,6 +20,14 @@ the three rules that make cross-stream copies safe with PyTorch's caching alloca
 
 On the CPU every wait and event is a no-op and copies run synchronously, so the engine executes
 the same lines with or without a GPU.
+
+Under a CUDA graph capture one more rule holds: CUDA ends a capture only when every stream forked
+from the captured one has been joined back into it. A copy queued while the caller's stream is being
+captured is such a fork; it stays open until :meth:`Streams.join` makes the captured stream wait
+for it. Once joined, everything the captured stream runs later (in this capture, in later captures
+on it, and in every replay, which runs the graphs in the order they were captured) comes after the
+copy, so a wait for its event is not needed; and it would be forbidden when it crosses into
+another capture. So waits for joined copies are skipped.
 """
 
 from __future__ import annotations
@@ -93,6 +101,9 @@ class Streams:
         # (key, stream) of the last current stream seen, replaced as one object: threads (autograd's
         # run backward) may call current() at the same time, each with its own current stream.
         self._last_current: tuple[tuple, torch.cuda.Stream] | None = None
+        #: Copies queued while their caller's stream was being captured and not joined back yet: (that
+        #: stream, the copy's end). :meth:`join` closes them before the capture may end.
+        self.forks: list[tuple[torch.cuda.Stream, torch.cuda.Event]] = []
 
     def current(self) -> torch.cuda.Stream | None:
         """The compute stream: whatever stream the caller is running on now."""
@@ -134,7 +145,8 @@ class Streams:
         if on is not None:
             for producer in after if isinstance(after, tuple) else (after,):
                 if isinstance(producer, torch.cuda.Event):
-                    on.wait_event(producer)
+                    if not _joined(producer):
+                        on.wait_event(producer)
                 elif producer is not None and producer != on:
                     on.wait_stream(producer)
         observer = self.observer
@@ -147,6 +159,9 @@ class Streams:
                 if src_owned_elsewhere and on is not None and s.is_cuda:
                     s.record_stream(on)
             done = on.record_event() if on is not None else None
+        if done is not None and torch.cuda.is_current_stream_capturing():  # the caller's stream: a fork
+            done.origin = self.current()
+            self.forks.append((done.origin, done))
         if observer:
             observer.add_copy(lane, layer, start, observer.mark(on), sum(d.numel() * d.element_size() for d, _ in pairs))
         return done
@@ -160,8 +175,9 @@ class Streams:
         """
         if stream is None:
             return
-        if ready is not None:
+        if ready is not None and not _joined(ready):
             stream.wait_event(ready)
+            _mark_joined(ready, stream)
         if tensor.is_cuda:
             tensor.record_stream(stream)
 
@@ -172,13 +188,38 @@ class Streams:
         if stream is None:
             return
         for event in copies:
-            if event is not None:
+            if event is not None and not _joined(event):
                 stream.wait_event(event)
+                _mark_joined(event, stream)
+
+    def join(self) -> int:
+        """Make each captured stream wait for the copies forked from it (:attr:`forks`): after this a
+        capture may end. Marks them joined, so that later waits for them are skipped. Returns how many."""
+        forks, self.forks = self.forks, []
+        joined = 0
+        for stream, done in forks:
+            if not _joined(done):  # a fence or a use may have joined it already
+                stream.wait_event(done)
+                done.joined = True
+                joined += 1
+        return joined
 
     @staticmethod
     def now(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
         """An event marking everything queued on ``stream`` so far (``None`` on the CPU)."""
         return stream.record_event() if stream is not None else None
+
+
+def _joined(event: torch.cuda.Event) -> bool:
+    """Whether ``event`` ends a copy already joined into the captured stream it was forked from."""
+    return getattr(event, "joined", False)
+
+
+def _mark_joined(event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
+    """``stream`` has just waited for ``event``: if the copy was forked from ``stream`` under a capture,
+    that wait joined it back."""
+    if getattr(event, "origin", None) == stream:
+        event.joined = True
 
 
 class _OnStream:

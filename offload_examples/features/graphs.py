@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["CapturedStep", "capture_step"]
+__all__ = ["CapturedStep", "OffloadedLayer", "capture_step", "make_graphed_layers"]
 
 
 @dataclass
@@ -147,3 +147,105 @@ def capture_step(
         graph, static_input, out, baseline, torch.cuda.max_memory_allocated(),
         torch.cuda.memory_reserved() - reserved, grads,
     )
+
+
+class OffloadedLayer(nn.Module):
+    """``layer`` called inside the offload context ``ctx``, its output through ``sync``: one entry of
+    the context, as :func:`make_graphed_layers` captures it."""
+
+    def __init__(self, layer: nn.Module, ctx: Any, sync: Callable[[torch.Tensor], torch.Tensor]):
+        super().__init__()
+        self.layer, self.ctx, self.sync = layer, ctx, sync
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self.ctx:
+            h = self.layer(x)
+        return self.sync(h)
+
+
+def _capture_stream() -> torch.cuda.Stream:
+    """The stream ``torch.cuda.graph`` captures on by default (made here if no graph made it yet): a
+    warm-up there leaves cuBLAS's workspace for that stream made before any capture needs it."""
+    if torch.cuda.graph.default_capture_stream is None:
+        torch.cuda.graph.default_capture_stream = torch.cuda.Stream()
+    return torch.cuda.graph.default_capture_stream
+
+
+def make_graphed_layers(layers: Sequence[nn.Module], example: torch.Tensor, ctx: Any,
+                        sync: Callable[[torch.Tensor], torch.Tensor], *, backend: str = "torch", warmup: int = 2,
+                        **graph_options: Any) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+    """Capture each layer's forward and backward in CUDA graphs of their own, with offloading.
+
+    Large-scale training captures per layer this way (one forward and one backward graph per layer,
+    all sharing one memory pool) and runs the rest of the step eagerly. Each layer is wrapped in
+    :class:`OffloadedLayer`, the context is told that captures hold single layers
+    (``ctx.set_capture_scope("layer")``), and the copies then run inside the graphs: a layer's copies
+    to the host beside the next layer's forward, its copies back beside the backward of the layer
+    after it. Replays run no engine code; the host buffers are the ones the warm-up made, the same
+    in every replay.
+
+    Parameters
+    ----------
+    layers:
+        The model's layers in the order of the forward; each takes and returns one tensor.
+    example:
+        An input of the first layer, of the shape and dtype of every call (its values are not kept).
+    ctx, sync:
+        From :func:`~offload_examples.get_cpu_offload_context` with ``model_layers=len(layers)`` and
+        ``retain_pinned_cpu_buffers=True`` (the graphs keep the buffers of the warm-up).
+    backend:
+        ``"torch"`` (:func:`torch.cuda.make_graphed_callables`) or ``"te"`` (Transformer Engine's
+        ``make_graphed_callables``, for its layers and FP8 recipes).
+    warmup:
+        Eager training steps before the capture, in the order of a step (forwards, then backwards),
+        on the capture stream: they make the host buffers and the libraries' workspaces, which a
+        capture cannot. The parameters' gradients are cleared afterwards.
+    graph_options:
+        Passed on to the backend's ``make_graphed_callables``.
+
+    Returns
+    -------
+    list
+        The graphed layers, to call in order in place of ``layers``.
+    """
+    if not example.is_cuda:
+        raise ValueError(f"CUDA graphs need a CUDA device: the example input is on {example.device}")
+    if warmup < 1:
+        raise ValueError(f"warmup must be >= 1 (host buffers and workspaces are made eagerly), got {warmup}")
+    if backend not in ("torch", "te"):
+        raise ValueError(f"backend must be 'torch' or 'te', got {backend!r}")
+    if hasattr(ctx, "set_capture_scope"):  # a context that offloads (a disabled one is a null context)
+        if getattr(ctx, "model_layers", len(layers)) != len(layers):
+            raise ValueError(f"the context expects model_layers={ctx.model_layers} entries a step, but {len(layers)} "
+                             "layers are graphed")
+        ctx.set_capture_scope("layer")
+    wrapped = tuple(OffloadedLayer(layer, ctx, sync) for layer in layers)
+    params = [p for layer in layers for p in layer.parameters()]
+    # torch's make_graphed_callables warms each callable up on its own (a forward and a backward of one
+    # layer), which is not a step to the context: the warm-up here runs whole steps, and torch's is skipped.
+    stream = _capture_stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            h, inputs = example.detach().clone().requires_grad_(example.requires_grad), []
+            for layer in wrapped:
+                inputs.append(h.detach().clone().requires_grad_(h.requires_grad))
+                h = layer(h)
+            h.backward(torch.ones_like(h))
+            for p in params:
+                p.grad = None
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    samples = tuple((x,) for x in inputs)
+    if backend == "torch":
+        graph_options.setdefault("num_warmup_iters", 0)
+        graphed = torch.cuda.make_graphed_callables(wrapped, samples, **graph_options)
+    else:
+        from offload_examples.instruments.models import import_transformer_engine
+
+        if not import_transformer_engine():
+            raise ModuleNotFoundError("backend='te' needs Transformer Engine: pip install 'offload_examples[te]'")
+        import transformer_engine.pytorch as te
+
+        graphed = te.make_graphed_callables(wrapped, samples, **graph_options)
+    return list(graphed)

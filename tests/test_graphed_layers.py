@@ -1,0 +1,178 @@
+"""Offloading inside per-layer CUDA graphs (:func:`~offload_examples.features.graphs.make_graphed_layers`).
+
+CPU: the engine's per-layer capture rules run with the capture flag forced on: a layer's copies to
+the host start at the next layer's entry, every copy forked under a capture is joined once, and
+waits for joined copies are skipped; the gradients stay bitwise those of a step without
+offloading. GPU: each layer captured in a forward and a backward graph of its own, with
+PyTorch's ``make_graphed_callables`` and with Transformer Engine's, replays bitwise like eager
+steps without offloading, dropout included, and its memory pool is smaller by about what the
+engine moved; a whole model's forward and backward captured as two graphs works too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offload_examples import get_cpu_offload_context
+from offload_examples.core.streams import Streams
+from offload_examples.features.graphs import make_graphed_layers
+from offload_examples.instruments.measure import deterministic_kernels, training_step
+from offload_examples.instruments.models import build_basic_model, build_linear_stack
+
+
+def _grads(layers: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in layers.parameters()] + [x.grad.clone()]
+
+
+def _step(layers, x, ctx=None, sync=None) -> list[torch.Tensor]:
+    for p in layers.parameters():
+        p.grad = None
+    x.grad = None
+    training_step(layers, x, ctx, sync)
+    return _grads(layers, x)
+
+
+# ---------------------------------------------------------------------------- CPU
+def test_per_layer_scope_starts_a_layers_copies_at_the_next_entry_and_keeps_the_bits(monkeypatch):
+    """While a capture holds one layer, the copies of the layer whose forward just ended wait for the
+    next layer's entry (they run beside its forward, inside its graph); the step's gradients stay
+    bitwise. The capture flag is forced on: on a CPU no stream is captured."""
+    torch.manual_seed(0)
+    layers = build_linear_stack(4, 32)
+    x = torch.randn(8, 32, requires_grad=True)
+    plain = _step(layers, x)
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=2, model_layers=4, retain_pinned_cpu_buffers=True)
+    _step(layers, x, ctx, sync)  # eager: the host buffers a capture would take from the pool
+    eager_bytes = ctx.offloaded_bytes
+    ctx.set_capture_scope("layer")
+    monkeypatch.setattr(type(ctx), "capturing", lambda self: True)
+    for p in layers.parameters():
+        p.grad = None
+    x.grad = None
+    h, moved_after_exit = x, []
+    for i, layer in enumerate(layers):
+        with ctx:
+            h = layer(h)
+        moved_after_exit.append(ctx.offloaded_bytes)  # what had been copied when layer i's entry closed
+        h = sync(h)
+    h.float().square().mean().backward()
+    assert moved_after_exit[0] == 0, "layer 0's copies started at its own exit"
+    assert 0 < moved_after_exit[1] < moved_after_exit[2] == eager_bytes
+    assert all(torch.equal(a, b) for a, b in zip(plain, _grads(layers, x)))
+
+
+def test_capture_scope_is_checked():
+    ctx, _ = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=3)
+    with pytest.raises(ValueError, match="'step' or 'layer'"):
+        ctx.set_capture_scope("graph")
+    manual, *_ = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=3, manual_synchronization=True)
+    with pytest.raises(ValueError, match="manual synchronizer"):
+        manual.set_capture_scope("layer")
+
+
+def test_make_graphed_layers_needs_cuda():
+    layers = build_linear_stack(2, 8)
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2)
+    with pytest.raises(ValueError, match="CUDA device"):
+        make_graphed_layers(layers, torch.randn(2, 8), ctx, sync)
+
+
+class _Stream:
+    def __init__(self):
+        self.waited: list[object] = []
+
+    def wait_event(self, event) -> None:
+        self.waited.append(event)
+
+
+class _Event:
+    pass
+
+
+def test_a_copy_forked_under_capture_is_joined_once_and_then_never_waited_for():
+    """Streams.join makes each captured stream wait once for the copies forked from it; a fence or a
+    use by that stream joins too; after that no wait for the copy is queued again (it would cross into
+    another capture, and the stream's order already covers it)."""
+    streams = Streams(torch.device("cpu"))
+    home, side = _Stream(), _Stream()
+    a, b = _Event(), _Event()
+    a.origin, b.origin = home, home
+    streams.forks = [(home, a), (home, b)]
+    Streams.fence(home, a)  # the release of a's layer: a wait by its own stream joins it
+    assert home.waited == [a] and a.joined
+    assert streams.join() == 1 and home.waited == [a, b] and b.joined  # only b still needed its join
+    Streams.fence(home, a, b)
+    Streams.use(torch.empty(0), b, side)
+    assert home.waited == [a, b] and side.waited == []
+    other = _Event()  # an eager copy's event (no origin): waited for as always
+    Streams.fence(side, other)
+    assert side.waited == [other] and not getattr(other, "joined", False)
+
+
+# ---------------------------------------------------------------------------- GPU
+N, K, BATCH, SEQ, HIDDEN = 6, 2, 4, 512, 1024
+
+
+def _model(kind: str, dropout: float, cuda) -> torch.nn.ModuleList:
+    return build_basic_model(N, HIDDEN, 16, 4 * HIDDEN, device=cuda, dtype=torch.bfloat16, kind=kind, dropout=dropout)
+
+
+def _run(fns, x, rng) -> list[torch.Tensor]:
+    """One training step through ``fns`` from the RNG state ``rng``: the output, then every gradient."""
+    torch.cuda.set_rng_state(rng)
+    h = x
+    for f in fns:
+        h = f(h)
+    h.float().square().mean().backward()
+    return [h.detach().clone()]
+
+
+def _graphed_step(kind: str, backend: str, dropout: float, cuda, offload: bool):
+    torch.manual_seed(0)
+    layers = _model(kind, dropout, cuda)
+    x = torch.randn(BATCH, SEQ, HIDDEN, device=cuda, dtype=torch.bfloat16, requires_grad=True)
+    ctx, sync = get_cpu_offload_context(enabled=offload, num_layers=K, model_layers=N, retain_pinned_cpu_buffers=True)
+    rng = torch.cuda.get_rng_state()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # eager work before a capture runs on a side stream (PyTorch's rule)
+        eager = _run(list(layers), x, rng) + _grads(layers, x)
+    torch.cuda.current_stream().wait_stream(side)
+    for p in layers.parameters():
+        p.grad = None
+    x.grad = None
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    graphed = make_graphed_layers(list(layers), x, ctx, sync, backend=backend)
+    pool = torch.cuda.memory_reserved() - reserved
+    replays = []
+    for _ in range(2):
+        for p in layers.parameters():
+            p.grad = None
+        x.grad = None
+        replays.append(_run(graphed, x, rng) + _grads(layers, x))
+    torch.cuda.synchronize()
+    return eager, replays, pool, (ctx.offloaded_bytes if offload else 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_gpu_per_layer_graphs_with_offloading_replay_bitwise_and_save_the_offloaded_bytes(cuda, dropout):
+    with deterministic_kernels():
+        eager, replays, pool_plain, _ = _graphed_step("torch", "torch", dropout, cuda, offload=False)
+        _, offloaded_replays, pool_offloaded, moved = _graphed_step("torch", "torch", dropout, cuda, offload=True)
+    for replay in replays + offloaded_replays:
+        assert all(torch.equal(a, b) for a, b in zip(eager, replay))
+    assert moved > 0
+    assert pool_plain - pool_offloaded >= 0.9 * moved, (pool_plain, pool_offloaded, moved)
+
+
+@pytest.mark.gpu
+def test_gpu_te_per_layer_graphs_with_offloading_replay_bitwise(te, cuda):
+    with deterministic_kernels():
+        eager, _, pool_plain, _ = _graphed_step("te", "te", 0.0, cuda, offload=False)
+        _, replays, pool_offloaded, moved = _graphed_step("te", "te", 0.0, cuda, offload=True)
+    for replay in replays:
+        assert all(torch.equal(a, b) for a, b in zip(eager, replay))
+    assert moved > 0 and pool_plain - pool_offloaded >= 0.9 * moved, (pool_plain, pool_offloaded, moved)
