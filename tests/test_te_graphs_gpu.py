@@ -10,12 +10,14 @@ its ``DelayedScaling`` amax and scale updates are kernels on the modules' own te
 captured with the step and every replay updates the FP8 state as an eager step does.
 
 ``make_graphed_callables`` captures forward and backward as separate graphs. What that does with
-this package's context inside the callables is pinned here, in fresh processes started when the
-module starts (a capture CUDA aborts leaves the process unable to capture again): per-layer callables (Transformer Engine's
-per-layer recipe) fail when the first layer's forward capture ends, with CUDA's unjoined-work
-error; one callable for the whole model (Transformer Engine's documented recipe for its own
-offloading) raises :class:`~offload_examples.GraphCaptureError` at the first reload. The CUDA-graph
-section of ``docs/caveats.md`` gives the reasons.
+this package's context inside the callables is checked here, in fresh processes started when the
+module starts (a capture CUDA aborts leaves the process unable to capture again): per-layer
+callables (Transformer Engine's per-layer recipe) fail when the first layer's forward capture
+ends, with CUDA's unjoined-work error, unless the context is told that captures hold single layers
+(``ctx.set_capture_scope("layer")``), and then capture; one callable for the whole model
+(Transformer Engine's documented recipe for its own offloading) captures as it is. The
+CUDA-graph section of ``docs/caveats.md`` gives the reasons; the numerics of per-layer graphs are
+``tests/test_graphed_layers.py``'s.
 
 They need CUDA and Transformer Engine. Without TE they are skipped, unless
 ``OFFLOAD_EXAMPLES_REQUIRE_TE=1``, which makes them fail instead. Determinism comes from
