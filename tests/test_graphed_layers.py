@@ -67,8 +67,30 @@ def test_capture_scope_is_checked():
     with pytest.raises(ValueError, match="'step' or 'layer'"):
         ctx.set_capture_scope("graph")
     manual, *_ = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=3, manual_synchronization=True)
-    with pytest.raises(ValueError, match="manual synchronizer"):
+    with pytest.raises(ValueError, match="interleaved or manual schedule"):
         manual.set_capture_scope("layer")
+
+
+def test_a_layer_captured_alone_cannot_have_its_copies_made_outside_a_graph(monkeypatch):
+    """Per-layer capture where the next layer runs eagerly: the captured layer's bytes exist only in its
+    graph's replays, so copying them eagerly would fill the host buffers with whatever the pool held.
+    It is refused instead."""
+    from offload_examples import GraphCaptureError
+
+    layers = build_linear_stack(3, 16)
+    x = torch.randn(4, 16, requires_grad=True)
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=3, retain_pinned_cpu_buffers=True)
+    _step(layers, x, ctx, sync)
+    ctx.set_capture_scope("layer")
+    capturing = [True]
+    monkeypatch.setattr(type(ctx), "capturing", lambda self: capturing[0])
+    with ctx:
+        h = layers[0](x)
+    h = sync(h)
+    capturing[0] = False  # layer 1 runs eagerly
+    with pytest.raises(GraphCaptureError, match="copied to the host outside"):
+        with ctx:
+            layers[1](h)
 
 
 def test_make_graphed_layers_needs_cuda():
@@ -92,8 +114,8 @@ class _Event:
 
 def test_a_copy_forked_under_capture_is_joined_once_and_then_never_waited_for():
     """Streams.join makes each captured stream wait once for the copies forked from it; a fence or a
-    use by that stream joins too; after that no wait for the copy is queued again (it would cross into
-    another capture, and the stream's order already covers it)."""
+    use by that stream joins too; after that the stream queues no wait for the copy again (it would
+    cross into another capture, and the stream's order already covers it). Other streams still wait."""
     streams = Streams(torch.device("cpu"))
     home, side = _Stream(), _Stream()
     a, b = _Event(), _Event()
@@ -102,12 +124,13 @@ def test_a_copy_forked_under_capture_is_joined_once_and_then_never_waited_for():
     Streams.fence(home, a)  # the release of a's layer: a wait by its own stream joins it
     assert home.waited == [a] and a.joined
     assert streams.join() == 1 and home.waited == [a, b] and b.joined  # only b still needed its join
-    Streams.fence(home, a, b)
-    Streams.use(torch.empty(0), b, side)
-    assert home.waited == [a, b] and side.waited == []
+    Streams.fence(home, a, b)  # its own stream: ordered after both already
+    assert home.waited == [a, b]
+    Streams.use(torch.empty(0), b, side)  # another stream is not ordered by the join: it waits
+    assert side.waited == [b]
     other = _Event()  # an eager copy's event (no origin): waited for as always
     Streams.fence(side, other)
-    assert side.waited == [other] and not getattr(other, "joined", False)
+    assert side.waited == [b, other] and not getattr(other, "joined", False)
 
 
 # ---------------------------------------------------------------------------- GPU

@@ -370,10 +370,11 @@ class OffloadEngine(EngineEntries, EngineIterations, EngineReadouts, EngineSetti
     # ------------------------------------------------------------------ the three actions
     def _start_offload(self, layer: int) -> None:
         """Step 2 for every record of ``layer`` not copied yet."""
-        stats, todo = self.stats[layer], []
+        stats, todo, capturing = self.stats[layer], [], self.capturing()
         for rec in self._records[layer]:
             if rec.tried or rec.device is None:
                 continue
+            rec.check_capture("copied to the host", capturing)  # a graph's bytes exist only in its replays
             resized = rec.resized()
             if resized:  # the copy would read bytes the storage no longer has: autograd reads what it holds now
                 self._warn_once("resized", f"a storage saved in layer {layer} was resized before the layer's forward "

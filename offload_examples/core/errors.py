@@ -29,12 +29,13 @@ def capture_mismatch_error(layer: int, captured: bool, what: str) -> GraphCaptur
     """A record of one CUDA graph capture used outside it, or one made outside used inside."""
     if captured:
         return GraphCaptureError(
-            f"layer {layer}'s saved tensors were offloaded inside a CUDA graph capture but are {what} outside "
-            "it. Capture the backward of the offloaded layers too: a whole step (capture_step), a whole "
-            "model's forward and backward (make_graphed_callables), or every layer (make_graphed_layers)."
+            f"layer {layer}'s saved tensors were saved inside a CUDA graph capture but are {what} outside it. "
+            "Capture the offloaded layers' backward, and with per-layer graphs the layer after each offloaded "
+            "one, too: a whole step (capture_step), a whole model's forward and backward "
+            "(make_graphed_callables), or every layer (make_graphed_layers)."
         )
     return GraphCaptureError(
-        f"layer {layer}'s saved tensors were offloaded before the CUDA graph capture began but are {what} "
+        f"layer {layer}'s saved tensors were saved before the CUDA graph capture began but are {what} "
         "inside it. Begin the capture before the first layer's forward (capture whole steps)."
     )
 

@@ -40,6 +40,10 @@ class EngineIterations:
         """Forget the last iteration; its records that autograd still holds live on the host."""
         with self._lock:
             capturing = self.capturing()
+            if capturing:  # this capture may end after the step: nothing forked in it may stay open
+                self.streams.join()
+            else:
+                self.streams.forget_forks()
             for records in getattr(self, "_records", []):
                 for rec in records:
                     if rec.host is not None:  # never-offloaded records keep their only copy

@@ -76,9 +76,10 @@ class EngineSettings:
         """
         if scope not in ("step", "layer"):
             raise ValueError(f"capture scope must be 'step' or 'layer', got {scope!r}")
-        if scope == "layer" and not self.schedule.offload_at_exit:
-            raise ValueError("capture scope 'layer' needs a schedule whose copies start as a layer's forward ends: "
-                             "with the manual synchronizer the caller decides when copies start")
+        if scope == "layer" and (not self.schedule.offload_at_exit or self.schedule.interleaved):
+            raise ValueError("capture scope 'layer' needs the default schedule (all forwards, then the backward; "
+                             "copies that start as a layer's forward ends): a layer's copies wait for the next "
+                             "entry, which an interleaved or manual schedule may not bring before its release")
         self.capture_scope = scope
 
     def release_buffers(self) -> None:

@@ -33,6 +33,7 @@ another capture. So waits for joined copies are skipped.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Protocol, Sequence, Union
 
 import torch
@@ -104,6 +105,7 @@ class Streams:
         #: Copies queued while their caller's stream was being captured and not joined back yet: (that
         #: stream, the copy's end). :meth:`join` closes them before the capture may end.
         self.forks: list[tuple[torch.cuda.Stream, torch.cuda.Event]] = []
+        self._forks_lock = threading.Lock()  # autograd's threads fork reloads; its final callback joins
 
     def current(self) -> torch.cuda.Stream | None:
         """The compute stream: whatever stream the caller is running on now."""
@@ -145,7 +147,7 @@ class Streams:
         if on is not None:
             for producer in after if isinstance(after, tuple) else (after,):
                 if isinstance(producer, torch.cuda.Event):
-                    if not _joined(producer):
+                    if not _covered(producer, after):
                         on.wait_event(producer)
                 elif producer is not None and producer != on:
                     on.wait_stream(producer)
@@ -161,7 +163,8 @@ class Streams:
             done = on.record_event() if on is not None else None
         if done is not None and torch.cuda.is_current_stream_capturing():  # the caller's stream: a fork
             done.origin = self.current()
-            self.forks.append((done.origin, done))
+            with self._forks_lock:
+                self.forks.append((done.origin, done))
         if observer:
             observer.add_copy(lane, layer, start, observer.mark(on), sum(d.numel() * d.element_size() for d, _ in pairs))
         return done
@@ -175,7 +178,7 @@ class Streams:
         """
         if stream is None:
             return
-        if ready is not None and not _joined(ready):
+        if ready is not None and not _covered(ready, stream):
             stream.wait_event(ready)
             _mark_joined(ready, stream)
         if tensor.is_cuda:
@@ -188,14 +191,15 @@ class Streams:
         if stream is None:
             return
         for event in copies:
-            if event is not None and not _joined(event):
+            if event is not None and not _covered(event, stream):
                 stream.wait_event(event)
                 _mark_joined(event, stream)
 
     def join(self) -> int:
         """Make each captured stream wait for the copies forked from it (:attr:`forks`): after this a
         capture may end. Marks them joined, so that later waits for them are skipped. Returns how many."""
-        forks, self.forks = self.forks, []
+        with self._forks_lock:
+            forks, self.forks = self.forks, []
         joined = 0
         for stream, done in forks:
             if not _joined(done):  # a fence or a use may have joined it already
@@ -203,6 +207,12 @@ class Streams:
                 done.joined = True
                 joined += 1
         return joined
+
+    def forget_forks(self) -> None:
+        """Drop the record of forks whose capture is over (it ended, or failed): none needs a join any
+        more, and a join now would wait on an event of another capture."""
+        with self._forks_lock:
+            self.forks = []
 
     @staticmethod
     def now(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
@@ -213,6 +223,16 @@ class Streams:
 def _joined(event: torch.cuda.Event) -> bool:
     """Whether ``event`` ends a copy already joined into the captured stream it was forked from."""
     return getattr(event, "joined", False)
+
+
+def _covered(event: torch.cuda.Event, waiting: object) -> bool:
+    """Whether a wait for ``event`` is covered already: the copy was joined into the stream it was
+    forked from, and the waiting stream is that one (or, for a copy, one of the streams it waits for
+    first, ``waiting`` being its producers)."""
+    if not getattr(event, "joined", False):
+        return False
+    streams = waiting if isinstance(waiting, tuple) else (waiting,)
+    return any(s is not None and s is not event and s == event.origin for s in streams)
 
 
 def _mark_joined(event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:

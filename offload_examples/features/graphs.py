@@ -199,9 +199,13 @@ def make_graphed_layers(layers: Sequence[nn.Module], example: torch.Tensor, ctx:
     warmup:
         Eager training steps before the capture, in the order of a step (forwards, then backwards),
         on the capture stream: they make the host buffers and the libraries' workspaces, which a
-        capture cannot. The parameters' gradients are cleared afterwards.
+        capture cannot. The parameters' gradients are set to ``None`` afterwards, and the CUDA
+        random state is put back as it was before them, so dropout in the graphs draws what an
+        eager step would have drawn.
     graph_options:
-        Passed on to the backend's ``make_graphed_callables``.
+        Passed on to the backend's ``make_graphed_callables``. PyTorch's ``num_warmup_iters`` must
+        stay 0: its warm-up runs one layer's forward and backward at a time, which is no step to the
+        context.
 
     Returns
     -------
@@ -214,11 +218,27 @@ def make_graphed_layers(layers: Sequence[nn.Module], example: torch.Tensor, ctx:
         raise ValueError(f"warmup must be >= 1 (host buffers and workspaces are made eagerly), got {warmup}")
     if backend not in ("torch", "te"):
         raise ValueError(f"backend must be 'torch' or 'te', got {backend!r}")
-    if hasattr(ctx, "set_capture_scope"):  # a context that offloads (a disabled one is a null context)
-        if getattr(ctx, "model_layers", len(layers)) != len(layers):
-            raise ValueError(f"the context expects model_layers={ctx.model_layers} entries a step, but {len(layers)} "
-                             "layers are graphed")
-        ctx.set_capture_scope("layer")
+    if backend == "torch" and graph_options.get("num_warmup_iters", 0) != 0:
+        raise ValueError("num_warmup_iters must be 0 with backend='torch': its warm-up runs one layer's forward and "
+                         "backward at a time, which is no training step to the offload context (use warmup=)")
+    offloads = hasattr(ctx, "set_capture_scope")  # a disabled context is a null context
+    if offloads and ctx.model_layers != len(layers):
+        raise ValueError(f"the context expects model_layers={ctx.model_layers} entries a step, but {len(layers)} "
+                         "layers are graphed")
+    with torch.cuda.device(example.device):
+        rng = torch.cuda.get_rng_state()
+        if offloads:
+            ctx.set_capture_scope("layer")
+        try:
+            return _warm_up_and_capture(layers, example, ctx, sync, backend, warmup, rng, graph_options)
+        finally:
+            if offloads:  # eager steps and whole-step captures of this context go on as before
+                ctx.set_capture_scope("step")
+
+
+def _warm_up_and_capture(layers: Sequence[nn.Module], example: torch.Tensor, ctx: Any,
+                         sync: Callable[[torch.Tensor], torch.Tensor], backend: str, warmup: int,
+                         rng: torch.Tensor, graph_options: dict[str, Any]) -> list[Callable]:
     wrapped = tuple(OffloadedLayer(layer, ctx, sync) for layer in layers)
     params = [p for layer in layers for p in layer.parameters()]
     # torch's make_graphed_callables warms each callable up on its own (a forward and a backward of one
@@ -236,6 +256,7 @@ def make_graphed_layers(layers: Sequence[nn.Module], example: torch.Tensor, ctx:
                 p.grad = None
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
+    torch.cuda.set_rng_state(rng)
     samples = tuple((x,) for x in inputs)
     if backend == "torch":
         graph_options.setdefault("num_warmup_iters", 0)
