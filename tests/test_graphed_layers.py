@@ -11,6 +11,8 @@ engine moved; a whole model's forward and backward captured as two graphs works 
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -166,9 +168,14 @@ def _graphed_step(kind: str, backend: str, dropout: float, cuda, offload: bool):
         p.grad = None
     x.grad = None
     torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()  # blocks cached by earlier runs would hide part of the graphs' pool
     reserved = torch.cuda.memory_reserved()
     graphed = make_graphed_layers(list(layers), x, ctx, sync, backend=backend)
     pool = torch.cuda.memory_reserved() - reserved
+    if offload:  # the graphs' memory plan released what the copies moved, layer by layer
+        assert all(("release", j) in ctx.events for j in range(K)), ctx.events
+        assert ctx.pool.graph_bytes == ctx.offloaded_bytes > 0
     replays = []
     for _ in range(2):
         for p in layers.parameters():
