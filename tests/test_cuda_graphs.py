@@ -165,8 +165,26 @@ class Whole(torch.nn.Module):
             h = sync(h)
         return h
 
-torch.cuda.make_graphed_callables(Whole(), (x,))
+def grads(out):
+    out.square().mean().backward()
+    found = [out.detach().clone(), x.grad.clone()] + [p.grad.clone() for p in layers.parameters()]
+    x.grad = None
+    for p in layers.parameters():
+        p.grad = None
+    return found
+
+side = torch.cuda.Stream()
+side.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(side):  # eager work before a capture runs on a side stream
+    h = x
+    for layer in layers:
+        h = layer(h)
+    eager = grads(h)
+torch.cuda.current_stream().wait_stream(side)
+graphed = torch.cuda.make_graphed_callables(Whole(), (x,))
 print("captured")
+replays = [grads(graphed(x)) for _ in range(2)]
+print("bitwise", all(torch.equal(a, b) for r in replays for a, b in zip(eager, r)))
 """,
     "test_gpu_optimizer_offload_refuses_a_captured_backward": _SETUP.format(retain=True) + """
 from offload_examples import OptimizerOffload
@@ -213,6 +231,7 @@ def test_gpu_forward_and_backward_in_separate_graphs_capture(request, _capture_p
     the copies to the host, and a backward graph whose reloads need no wait for them."""
     done = _capture_programs.result(request.node.originalname)
     assert done.returncode == 0 and "captured" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "bitwise True" in done.stdout, done.stdout[-3000:]  # replays equal an eager step without offloading
 
 
 @pytest.mark.gpu
