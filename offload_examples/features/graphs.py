@@ -21,6 +21,7 @@ between replays does no harm.
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
@@ -262,10 +263,9 @@ def _warm_up_and_capture(layers: Sequence[nn.Module], example: torch.Tensor, ctx
         graph_options.setdefault("num_warmup_iters", 0)
         graphed = torch.cuda.make_graphed_callables(wrapped, samples, **graph_options)
     else:
-        from offload_examples.instruments.models import import_transformer_engine
-
-        if not import_transformer_engine():
-            raise ModuleNotFoundError("backend='te' needs Transformer Engine: pip install 'offload_examples[te]'")
+        if "transformer_engine.pytorch" not in sys.modules:  # its layers would have imported it, before CUDA
+            raise ModuleNotFoundError("backend='te' needs Transformer Engine's layers, and transformer_engine.pytorch "
+                                      "imported before CUDA starts: pip install 'offload_examples[te]'")
         import transformer_engine.pytorch as te
 
         graphed = te.make_graphed_callables(wrapped, samples, **graph_options)
