@@ -1,7 +1,8 @@
 """Offloading inside per-layer CUDA graphs (:func:`~offload_examples.features.graphs.make_graphed_layers`).
 
 CPU: the engine's per-layer capture rules run with the capture flag forced on: a layer's copies to
-the host start at the next layer's entry, every copy forked under a capture is joined once, and
+the host start at the next layer's entry and are spread over the entries before its release, a layer
+saved in a capture is never copied outside one, every copy forked under a capture is joined once, and
 waits for joined copies are skipped; the gradients stay bitwise those of a step without
 offloading. GPU: each layer captured in a forward and a backward graph of its own, with
 PyTorch's ``make_graphed_callables`` and with Transformer Engine's, replays bitwise like eager
@@ -61,6 +62,36 @@ def test_per_layer_scope_starts_a_layers_copies_at_the_next_entry_and_keeps_the_
     h.float().square().mean().backward()
     assert moved_after_exit[0] == 0, "layer 0's copies started at its own exit"
     assert 0 < moved_after_exit[1] < moved_after_exit[2] == eager_bytes
+    assert all(torch.equal(a, b) for a, b in zip(plain, _grads(layers, x)))
+
+
+def test_per_layer_scope_spreads_a_layers_copies_over_the_entries_before_its_release(monkeypatch):
+    """With many layers between an offloaded layer and its release, its copies are spread over their
+    graphs (each copies about its share of the bytes left), all queued before the release; the bits
+    stay those of a step without offloading."""
+    torch.manual_seed(0)
+    layers = build_basic_model(8, 32, 4, 64, kind="torch", dropout=0.0)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    plain = _step(layers, x)
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=2, model_layers=8, retain_pinned_cpu_buffers=True)
+    _step(layers, x, ctx, sync)
+    whole = ctx.stats[0].offloaded_bytes
+    ctx.set_capture_scope("layer")
+    monkeypatch.setattr(type(ctx), "capturing", lambda self: True)
+    for p in layers.parameters():
+        p.grad = None
+    x.grad = None
+    h, copied = x, []
+    for layer in layers:
+        with ctx:
+            h = layer(h)
+        copied.append(ctx.stats[0].offloaded_bytes)  # layer 0's bytes copied once this entry closed
+        h = sync(h)
+    h.float().square().mean().backward()
+    release = 8 - 2  # the default schedule releases layer 0 at the forward of entry N - k
+    assert copied[0] == 0 and 0 < copied[1] < whole, copied  # a share, not all at once
+    assert len(set(copied[1:release])) > 2, copied  # several graphs take part
+    assert copied[release - 1] == whole, copied  # all of it queued before the release
     assert all(torch.equal(a, b) for a, b in zip(plain, _grads(layers, x)))
 
 

@@ -295,7 +295,7 @@ def test_gpu_te_per_layer_graphed_callables_with_the_context_inside_fail_at_the_
 
 def test_gpu_te_per_layer_graphed_callables_capture_once_the_context_knows_the_scope(request, _capture_programs):
     """The same per-layer recipe after ``ctx.set_capture_scope("layer")``: each layer's copies to the host
-    start at the next layer's entry and are joined at its exit, the reloads are joined at the end of
+    are spread over the later layers' graphs and joined at their exits, the reloads are joined at the end of
     each backward capture, and every graph captures (numerics: tests/test_graphed_layers.py)."""
     _captured(request, _capture_programs)
 

@@ -370,6 +370,12 @@ class OffloadEngine(EngineEntries, EngineIterations, EngineReadouts, EngineSetti
     # ------------------------------------------------------------------ the three actions
     def _start_offload(self, layer: int) -> None:
         """Step 2 for every record of ``layer`` not copied yet."""
+        self._copy_out(self._offload_candidates(layer))
+        self.events.append(("offload_start", layer))
+
+    def _offload_candidates(self, layer: int) -> list[_StorageRecord]:
+        """The records of ``layer`` to copy now: not tried yet, still on the device, not resized since they
+        were saved, and not a slice of a buffer that someone else still holds."""
         stats, todo, capturing = self.stats[layer], [], self.capturing()
         for rec in self._records[layer]:
             if rec.tried or rec.device is None:
@@ -384,8 +390,7 @@ class OffloadEngine(EngineEntries, EngineIterations, EngineReadouts, EngineSetti
                 stats.candidate_bytes -= rec.nbytes
                 continue
             todo.append(rec)
-        self._copy_out(todo)
-        self.events.append(("offload_start", layer))
+        return todo
 
     def _copy_out(self, records: list[_StorageRecord]) -> None:
         """Step 2 for ``records``: those that get a host buffer are copied, one batch per home stream

@@ -209,7 +209,7 @@ class EngineEntries:
                 self._move(j, LayerState.OFFLOADING if offloading else LayerState.SAVED, "its forward ended")
                 per_layer = self.capture_scope == "layer" and self.capturing()
                 if offloading and per_layer and j + 1 < self.model_layers:
-                    self._deferred_offloads.append(j)  # its copies ride in the next layer's graph
+                    self._deferred_offloads.append((j, self._release_entry(j), None))  # later layers' graphs copy it
                 elif offloading:
                     self._start_offload(j)
                 if per_layer:  # this layer's graph may end here: no copy forked in it may outlive it
@@ -220,13 +220,33 @@ class EngineEntries:
             self.resident_trace.append(("forward", j, self.resident_bytes))
             self._entered += 1
 
+    def _release_entry(self, layer: int) -> int:
+        """The entry whose forward releases ``layer``: its copies must be queued by then (the last entry
+        where none does)."""
+        n = self.model_layers
+        return next((e for e in range(layer + 1, n) if ("release", layer) in self.schedule.actions("forward", e)),
+                    n - 1)
+
     def _start_deferred_offloads(self) -> None:
-        """Per-layer graphs: queue the copies of the layers whose forward ended in an earlier graph.
-        They run beside this layer's forward, in its graph, which joins them at its exit; replays run
-        the graphs in the order they were captured, so the copies read what the earlier graph wrote."""
-        deferred, self._deferred_offloads = self._deferred_offloads, []
-        for layer in deferred:
-            self._start_offload(layer)
+        """Per-layer graphs: queue copies of the layers whose forward ended in an earlier graph, spread over
+        the entries before each one's release: at each, that layer's bytes left over the entries left
+        (all of them at the last), whole storages in the order they were saved. They run beside this
+        layer's forward, in its graph, which joins them at its exit; replays run the graphs in the order
+        they were captured, so the copies read what the earlier graphs wrote."""
+        entry, pending = self._entered, []
+        for layer, deadline, records in self._deferred_offloads:
+            if records is None:  # the first entry after its forward: what is to be copied
+                records = self._offload_candidates(layer)
+                self.events.append(("offload_start", layer))
+            share = sum(r.nbytes for r in records) / max(deadline - entry, 1)
+            count, taken = 0, 0
+            while count < len(records) and taken < share:
+                taken += records[count].nbytes
+                count += 1
+            self._copy_out(records[:count])
+            if count < len(records):
+                pending.append((layer, deadline, records[count:]))
+        self._deferred_offloads = pending
 
     @_disabled_for_dynamo
     def sync(self, x: torch.Tensor) -> torch.Tensor:

@@ -68,7 +68,8 @@ class EngineIterations:
             self._backwards: set[int] = set()
             self._remove_leaf_hooks()  # sync's hooks on leaves the caller keeps (see entries.py)
             self._triggers, self._graph_dropped = [], False
-            self._deferred_offloads: list[int] = []  # layers whose copies start at the next entry (per-layer graphs)
+            # per-layer graphs: (layer, the entry that releases it, its records left to copy or None before the first)
+            self._deferred_offloads: list[tuple[int, int, list | None]] = []
 
     def _abort(self) -> None:
         """A step failed: give back every buffer and start afresh."""

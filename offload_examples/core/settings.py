@@ -68,9 +68,9 @@ class EngineSettings:
         (``make_graphed_callables`` with one callable per layer;
         :func:`~offload_examples.features.graphs.make_graphed_layers` sets it).
 
-        Per layer, a layer's copies to the host start at the next layer's entry and are joined at its
-        exit, so they run beside that layer's forward inside its graph, and no graph ends with a copy
-        still forked from it. With ``"step"`` (the default) the copies start as each layer's forward
+        Per layer, a layer's copies to the host are spread over the entries of the layers after it, up
+        to the one that releases it, and each of those joins its share at its exit: they run beside the
+        later layers' forwards inside their graphs, and no graph ends with a copy still forked from it. With ``"step"`` (the default) the copies start as each layer's forward
         ends, and the release of their layer joins them, as in an eager step. Eager steps behave the
         same under both.
         """
