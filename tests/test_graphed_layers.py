@@ -95,6 +95,62 @@ def test_per_layer_scope_spreads_a_layers_copies_over_the_entries_before_its_rel
     assert all(torch.equal(a, b) for a, b in zip(plain, _grads(layers, x)))
 
 
+def test_a_storage_resized_while_its_layer_waits_for_its_copies_stays_and_the_trace_follows_the_theory(monkeypatch):
+    """Per layer, a layer's storages wait for later entries to be copied. One resized meanwhile (as
+    FSDP's reshard frees a gathered weight) is not copied: it stays on the device, with a warning, and
+    the step keeps its bits; the resident bytes at every phase are what the schedule predicts."""
+    from offload_examples import OffloadWarning
+    from offload_examples.instruments.measure import resident_vs_theory
+
+    torch.manual_seed(0)
+    n = 8
+    layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(n))
+    x = torch.randn(16, 64, requires_grad=True)
+    weight, held = torch.randn(64, 64), {}
+
+    def step(ctx=None, sync=None, resize_after=None):
+        for p in layers.parameters():
+            p.grad = None
+        x.grad = None
+        h = x
+        for i, layer in enumerate(layers):
+            with ctx or torch.enable_grad():
+                if i == 0:
+                    for _ in range(4):
+                        h = torch.tanh(h * 1.5)
+                    held["w"] = weight.clone()  # gathered, like an FSDP unit's weight
+                    h = h @ held["w"].t()
+                else:
+                    h = layer(h)
+            h = sync(h) if sync else h
+            if i == resize_after:
+                held["w"].untyped_storage().resize_(0)  # resharded: its bytes are gone
+        if resize_after is not None:  # gathered again before the backward
+            held["w"].untyped_storage().resize_(weight.numel() * 4)
+            held["w"].data.copy_(weight)
+        h.float().square().mean().backward()
+        return [p.grad.clone() for p in layers[1:].parameters()] + [x.grad.clone()]
+
+    plain = step(resize_after=1)
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=n, retain_pinned_cpu_buffers=True)
+    step(ctx, sync)
+    ctx.set_capture_scope("layer")
+    monkeypatch.setattr(type(ctx), "capturing", lambda self: True)
+    with pytest.warns(OffloadWarning, match="resized before its copy"):
+        got = step(ctx, sync, resize_after=1)
+    assert all(torch.equal(a, b) for a, b in zip(plain, got))
+    # nothing resized, another context (a graph keeps its buffers): the bytes waiting for their copies
+    # count as on the device, as the schedule predicts at every phase
+    monkeypatch.setattr(type(ctx), "capturing", lambda self: False)
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=n, retain_pinned_cpu_buffers=True)
+    step(ctx, sync)
+    ctx.set_capture_scope("layer")
+    monkeypatch.setattr(type(ctx), "capturing", lambda self: True)
+    step(ctx, sync)
+    points = resident_vs_theory(ctx)
+    assert all(got == expected for _, _, got, expected in points), points
+
+
 def test_capture_scope_is_checked():
     ctx, _ = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=3)
     with pytest.raises(ValueError, match="'step' or 'layer'"):

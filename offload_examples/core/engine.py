@@ -383,8 +383,8 @@ class OffloadEngine(EngineEntries, EngineIterations, EngineReadouts, EngineSetti
             rec.check_capture("copied to the host", capturing)  # a graph's bytes exist only in its replays
             resized = rec.resized()
             if resized:  # the copy would read bytes the storage no longer has: autograd reads what it holds now
-                self._warn_once("resized", f"a storage saved in layer {layer} was resized before the layer's forward "
-                                           "ended (resize_): it stays on the device")
+                self._warn_once("resized", f"a storage saved in layer {layer} was resized before its copy to the host "
+                                           "began (resize_): it stays on the device")
             if resized or (rec.slice_of_data and held_elsewhere(rec.device, ours=2)):
                 rec.tried = True
                 stats.candidate_bytes -= rec.nbytes

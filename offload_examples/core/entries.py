@@ -209,7 +209,7 @@ class EngineEntries:
                 self._move(j, LayerState.OFFLOADING if offloading else LayerState.SAVED, "its forward ended")
                 per_layer = self.capture_scope == "layer" and self.capturing()
                 if offloading and per_layer and j + 1 < self.model_layers:
-                    self._deferred_offloads.append((j, self._release_entry(j), None))  # later layers' graphs copy it
+                    self._deferred_offloads.append((j, self._release_entry(j), False))  # later layers' graphs copy it
                 elif offloading:
                     self._start_offload(j)
                 if per_layer:  # this layer's graph may end here: no copy forked in it may outlive it
@@ -217,7 +217,7 @@ class EngineEntries:
             except BaseException:
                 self._abort()
                 raise
-            self.resident_trace.append(("forward", j, self.resident_bytes))
+            self.resident_trace.append(("forward", j, self.resident_bytes + self._waiting_bytes()))
             self._entered += 1
 
     def _release_entry(self, layer: int) -> int:
@@ -234,9 +234,10 @@ class EngineEntries:
         layer's forward, in its graph, which joins them at its exit; replays run the graphs in the order
         they were captured, so the copies read what the earlier graphs wrote."""
         entry, pending = self._entered, []
-        for layer, deadline, records in self._deferred_offloads:
-            if records is None:  # the first entry after its forward: what is to be copied
-                records = self._offload_candidates(layer)
+        for layer, deadline, started in self._deferred_offloads:
+            # looked up again at every entry: a storage freed or resized since is no longer copied
+            records = self._offload_candidates(layer)
+            if not started:
                 self.events.append(("offload_start", layer))
             share = sum(r.nbytes for r in records) / max(deadline - entry, 1)
             count, taken = 0, 0
@@ -245,8 +246,13 @@ class EngineEntries:
                 count += 1
             self._copy_out(records[:count])
             if count < len(records):
-                pending.append((layer, deadline, records[count:]))
+                pending.append((layer, deadline, True))
         self._deferred_offloads = pending
+
+    def _waiting_bytes(self) -> int:
+        """Bytes of the deferred layers' storages whose copies are not queued yet: still on the device."""
+        return sum(r.nbytes for layer, _, _ in self._deferred_offloads for r in self._records[layer]
+                   if not r.tried and r.device is not None)
 
     @_disabled_for_dynamo
     def sync(self, x: torch.Tensor) -> torch.Tensor:

@@ -68,8 +68,8 @@ class EngineIterations:
             self._backwards: set[int] = set()
             self._remove_leaf_hooks()  # sync's hooks on leaves the caller keeps (see entries.py)
             self._triggers, self._graph_dropped = [], False
-            # per-layer graphs: (layer, the entry that releases it, its records left to copy or None before the first)
-            self._deferred_offloads: list[tuple[int, int, list | None]] = []
+            # per-layer graphs: (layer, the entry that releases it, whether its copies have begun)
+            self._deferred_offloads: list[tuple[int, int, bool]] = []
 
     def _abort(self) -> None:
         """A step failed: give back every buffer and start afresh."""
