@@ -36,6 +36,21 @@ def _step(layers, x, ctx=None, sync=None) -> list[torch.Tensor]:
     return _grads(layers, x)
 
 
+def _watched_step(layers, x, ctx, sync, watch) -> list[int]:
+    """A training step through ``ctx``, with ``watch()`` read as each layer's entry closes."""
+    for p in layers.parameters():
+        p.grad = None
+    x.grad = None
+    h, seen = x, []
+    for layer in layers:
+        with ctx:
+            h = layer(h)
+        seen.append(watch())
+        h = sync(h)
+    h.float().square().mean().backward()
+    return seen
+
+
 # ---------------------------------------------------------------------------- CPU
 def test_per_layer_scope_starts_a_layers_copies_at_the_next_entry_and_keeps_the_bits(monkeypatch):
     """While a capture holds one layer, the copies of the layer whose forward just ended wait for the
@@ -50,16 +65,7 @@ def test_per_layer_scope_starts_a_layers_copies_at_the_next_entry_and_keeps_the_
     eager_bytes = ctx.offloaded_bytes
     ctx.set_capture_scope("layer")
     monkeypatch.setattr(type(ctx), "capturing", lambda self: True)
-    for p in layers.parameters():
-        p.grad = None
-    x.grad = None
-    h, moved_after_exit = x, []
-    for i, layer in enumerate(layers):
-        with ctx:
-            h = layer(h)
-        moved_after_exit.append(ctx.offloaded_bytes)  # what had been copied when layer i's entry closed
-        h = sync(h)
-    h.float().square().mean().backward()
+    moved_after_exit = _watched_step(layers, x, ctx, sync, lambda: ctx.offloaded_bytes)
     assert moved_after_exit[0] == 0, "layer 0's copies started at its own exit"
     assert 0 < moved_after_exit[1] < moved_after_exit[2] == eager_bytes
     assert all(torch.equal(a, b) for a, b in zip(plain, _grads(layers, x)))
@@ -78,16 +84,7 @@ def test_per_layer_scope_spreads_a_layers_copies_over_the_entries_before_its_rel
     whole = ctx.stats[0].offloaded_bytes
     ctx.set_capture_scope("layer")
     monkeypatch.setattr(type(ctx), "capturing", lambda self: True)
-    for p in layers.parameters():
-        p.grad = None
-    x.grad = None
-    h, copied = x, []
-    for layer in layers:
-        with ctx:
-            h = layer(h)
-        copied.append(ctx.stats[0].offloaded_bytes)  # layer 0's bytes copied once this entry closed
-        h = sync(h)
-    h.float().square().mean().backward()
+    copied = _watched_step(layers, x, ctx, sync, lambda: ctx.stats[0].offloaded_bytes)  # layer 0's bytes copied
     release = 8 - 2  # the default schedule releases layer 0 at the forward of entry N - k
     assert copied[0] == 0 and 0 < copied[1] < whole, copied  # a share, not all at once
     assert len(set(copied[1:release])) > 2, copied  # several graphs take part
