@@ -22,6 +22,7 @@ from offload_examples.core.streams import Streams
 from offload_examples.features.graphs import make_graphed_layers
 from offload_examples.instruments.measure import deterministic_kernels, training_step
 from offload_examples.instruments.models import build_basic_model, build_linear_stack
+from offload_examples.instruments.te_compare import RECIPES
 
 
 def _grads(layers: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
@@ -237,7 +238,27 @@ def _run(fns, x, rng) -> list[torch.Tensor]:
     return [h.detach().clone()]
 
 
-def _graphed_step(kind: str, backend: str, dropout: float, cuda, offload: bool):
+def _fp8_options(recipe: str) -> dict:
+    """Transformer Engine's make_graphed_callables options for ``recipe`` (none for bf16); TE's FP8 state
+    starts afresh, as a new model's would."""
+    import inspect
+
+    import transformer_engine.pytorch as te
+    from transformer_engine.common import recipe as recipes
+
+    try:
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+    except ImportError:  # releases before the quantization module
+        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+    FP8GlobalStateManager.reset()
+    if recipe == "bf16":
+        return {}
+    names = inspect.signature(te.make_graphed_callables).parameters
+    on, which = ("fp8_enabled", "fp8_recipe") if "fp8_enabled" in names else ("enabled", "recipe")
+    return {on: True, which: getattr(recipes, recipe)()}
+
+
+def _graphed_step(kind: str, backend: str, dropout: float, cuda, offload: bool, **graph_options):
     torch.manual_seed(0)
     layers = _model(kind, dropout, cuda)
     x = torch.randn(BATCH, SEQ, HIDDEN, device=cuda, dtype=torch.bfloat16, requires_grad=True)
@@ -255,7 +276,7 @@ def _graphed_step(kind: str, backend: str, dropout: float, cuda, offload: bool):
     gc.collect()
     torch.cuda.empty_cache()  # blocks cached by earlier runs would hide part of the graphs' pool
     reserved = torch.cuda.memory_reserved()
-    graphed = make_graphed_layers(list(layers), x, ctx, sync, backend=backend)
+    graphed = make_graphed_layers(list(layers), x, ctx, sync, backend=backend, **graph_options)
     pool = torch.cuda.memory_reserved() - reserved
     if offload:  # the graphs' memory plan released what the copies moved, layer by layer
         assert all(("release", j) in ctx.events for j in range(K)), ctx.events
@@ -283,10 +304,16 @@ def test_gpu_per_layer_graphs_with_offloading_replay_bitwise_and_save_the_offloa
 
 
 @pytest.mark.gpu
-def test_gpu_te_per_layer_graphs_with_offloading_replay_bitwise(te, cuda):
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_gpu_te_per_layer_graphs_with_offloading_replay_bitwise(te, cuda, recipe):
+    """Transformer Engine's layers and its make_graphed_callables, in bf16 and under the FP8 recipes:
+    each replay with offloading equals the same replay of the graphs without it (under FP8 the scaling
+    state moves on from replay to replay, alike in both), and in bf16 an eager step too."""
     with deterministic_kernels():
-        eager, _, pool_plain, _ = _graphed_step("te", "te", 0.0, cuda, offload=False)
-        _, replays, pool_offloaded, moved = _graphed_step("te", "te", 0.0, cuda, offload=True)
-    for replay in replays:
-        assert all(torch.equal(a, b) for a, b in zip(eager, replay))
+        eager, plain, pool_plain, _ = _graphed_step("te", "te", 0.0, cuda, offload=False, **_fp8_options(recipe))
+        _, replays, pool_offloaded, moved = _graphed_step("te", "te", 0.0, cuda, offload=True, **_fp8_options(recipe))
+    for reference, replay in zip(plain, replays):
+        assert all(torch.equal(a, b) for a, b in zip(reference, replay))
+    if recipe == "bf16":
+        assert all(torch.equal(a, b) for a, b in zip(eager, replays[0]))
     assert moved > 0 and pool_plain - pool_offloaded >= 0.9 * moved, (pool_plain, pool_offloaded, moved)
