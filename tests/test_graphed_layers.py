@@ -93,7 +93,7 @@ def test_per_layer_scope_spreads_a_layers_copies_over_the_entries_before_its_rel
     assert all(torch.equal(a, b) for a, b in zip(plain, _grads(layers, x)))
 
 
-def test_a_storage_resized_while_its_layer_waits_for_its_copies_stays_and_the_trace_follows_the_theory(monkeypatch):
+def test_a_storage_resized_while_its_layer_waits_for_its_copies_stays_and_the_trace_follows_the_copies(monkeypatch):
     """Per layer, a layer's storages wait for later entries to be copied. One resized meanwhile (as
     FSDP's reshard frees a gathered weight) is not copied: it stays on the device, with a warning, and
     the step keeps its bits; the resident bytes at every phase are what the schedule predicts."""
@@ -137,8 +137,9 @@ def test_a_storage_resized_while_its_layer_waits_for_its_copies_stays_and_the_tr
     with pytest.warns(OffloadWarning, match="resized before its copy"):
         got = step(ctx, sync, resize_after=1)
     assert all(torch.equal(a, b) for a, b in zip(plain, got))
-    # nothing resized, another context (a graph keeps its buffers): the bytes waiting for their copies
-    # count as on the device, as the schedule predicts at every phase
+    # nothing resized, another context (a graph keeps its buffers): in the forward the bytes waiting for
+    # their copies count as on the device, as the schedule predicts at every phase; in the backward the
+    # reload comes back a share at a time, all of it before the backward of the layer
     monkeypatch.setattr(type(ctx), "capturing", lambda self: False)
     ctx, sync = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=n, retain_pinned_cpu_buffers=True)
     step(ctx, sync)
@@ -146,7 +147,35 @@ def test_a_storage_resized_while_its_layer_waits_for_its_copies_stays_and_the_tr
     monkeypatch.setattr(type(ctx), "capturing", lambda self: True)
     step(ctx, sync)
     points = resident_vs_theory(ctx)
-    assert all(got == expected for _, _, got, expected in points), points
+    forward = [(got, expected) for phase, _, got, expected in points if phase == "forward"]
+    backward = [(got, expected) for phase, _, got, expected in points if phase == "backward"]
+    assert all(got == expected for got, expected in forward), points
+    assert all(got <= expected for got, expected in backward), points
+    assert [got for got, _ in backward] == sorted(got for got, _ in backward), points  # it only grows
+    assert backward[-2][0] == backward[-2][1] > 0, points  # all of layer 0 back by the backward of layer 1
+
+
+def test_per_layer_scope_spreads_a_layers_reload_over_the_backwards_before_its_own(monkeypatch):
+    """A layer's reload starts several layers' backwards before its own: per layer, each of their graphs
+    copies back about its share of the bytes left, the tensors the layer's backward reads first first,
+    all of it before that backward; the gradients stay bitwise."""
+    torch.manual_seed(0)
+    n, k = 8, 2
+    layers = build_basic_model(n, 32, 4, 64, kind="torch", dropout=0.0)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    plain = _step(layers, x)
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=k, model_layers=n, retain_pinned_cpu_buffers=True)
+    _step(layers, x, ctx, sync)
+    eager = {j: b for phase, j, b in ctx.resident_trace if phase == "backward"}
+    ctx.set_capture_scope("layer")
+    monkeypatch.setattr(type(ctx), "capturing", lambda self: True)
+    _step(layers, x, ctx, sync)
+    spread = {j: b for phase, j, b in ctx.resident_trace if phase == "backward"}
+    first = k - 1 + max(1, n - 2 - k)  # the backward that starts the first offloaded layer's reload
+    assert 0 < spread[first] < eager[first], (spread, eager)  # a share, not the whole layer
+    assert len({spread[j] for j in range(first, 0, -1)}) > 3, spread  # several graphs take part
+    assert spread[1] == eager[1] and spread[0] == eager[0], (spread, eager)  # all back in time
+    assert all(torch.equal(a, b) for a, b in zip(plain, _grads(layers, x)))
 
 
 def test_capture_scope_is_checked():

@@ -464,11 +464,14 @@ class OffloadEngine(EngineEntries, EngineIterations, EngineReadouts, EngineSetti
         # lets it start on those while the rest still copy in. When the copies are the bound, only
         # the first tensors of a layer's backward wait for them, not the whole layer.
         records = sorted(self._records[layer], key=operator.attrgetter("last_saved"), reverse=True)
-        try:
-            self._reload(records)
-        except BaseException:
-            self.layer_state[layer] = LayerState.RELEASED  # a retry reloads what is still on the host
-            raise
+        if self._per_layer_capture():  # spread over the graphs of the backwards up to its own
+            self._deferred_reloads.append((layer, records))
+        else:
+            try:
+                self._reload(records)
+            except BaseException:
+                self.layer_state[layer] = LayerState.RELEASED  # a retry reloads what is still on the host
+                raise
         self.events.append(("reload_start", layer))
 
     def _run_actions(self, phase: str, layer: int) -> bool:

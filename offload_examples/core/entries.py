@@ -207,7 +207,7 @@ class EngineEntries:
             try:
                 offloading = self.schedule.is_offloaded(j) and self.schedule.offload_at_exit
                 self._move(j, LayerState.OFFLOADING if offloading else LayerState.SAVED, "its forward ended")
-                per_layer = self.capture_scope == "layer" and self.capturing()
+                per_layer = self._per_layer_capture()
                 if offloading and per_layer and j + 1 < self.model_layers:
                     self._deferred_offloads.append((j, self._release_entry(j), False))  # later layers' graphs copy it
                 elif offloading:
@@ -239,15 +239,34 @@ class EngineEntries:
             records = self._offload_candidates(layer)
             if not started:
                 self.events.append(("offload_start", layer))
-            share = sum(r.nbytes for r in records) / max(deadline - entry, 1)
-            count, taken = 0, 0
-            while count < len(records) and taken < share:
-                taken += records[count].nbytes
-                count += 1
+            count = _share(records, deadline - entry)
             self._copy_out(records[:count])
             if count < len(records):
                 pending.append((layer, deadline, True))
         self._deferred_offloads = pending
+
+    def _start_deferred_reloads(self, entry: int) -> None:
+        """Per-layer graphs: copy back, in the graph of the backward of ``entry``, a share of each
+        reloading layer's bytes: what is left over the backwards left before the layer's own (all of it in
+        the last). A layer's reload takes longer than one layer's backward, and a copy forked in a graph
+        must end in it: spread, the copies hide behind the backwards between the reload's start and the
+        layer's own, as in an eager step. The tensors its backward reads first come first."""
+        pending = []
+        for layer, records in self._deferred_reloads:
+            left = [r for r in records if r.device is None and r.host is not None and not r.aborted]
+            count = _share(left, entry - layer)
+            try:
+                self._reload(left[:count])
+            except BaseException:
+                self._deferred_reloads = []  # what is still on the host reloads on demand
+                raise
+            if count < len(left):
+                pending.append((layer, left[count:]))
+        self._deferred_reloads = pending
+
+    def _per_layer_capture(self) -> bool:
+        """Whether a graph being captured holds one layer's forward or backward, not the whole step."""
+        return self.capture_scope == "layer" and self.capturing()
 
     def _waiting_bytes(self) -> int:
         """Bytes of the deferred layers' storages whose copies are not queued yet: still on the device."""
@@ -309,6 +328,7 @@ class EngineEntries:
             self.events.append(("backward", layer))
             ready = self._mark()
             waited = self._run_actions("backward", layer)
+            self._start_deferred_reloads(layer)
             if self.capturing():  # the reloads forked here must be joined before this backward's capture ends
                 torch.autograd.Variable._execution_engine.queue_callback(self.streams.join)
             self.resident_trace.append(("backward", layer, self.resident_bytes))
@@ -342,3 +362,13 @@ class EngineEntries:
             handle.remove()
         self._leaf_hooks: list[torch.utils.hooks.RemovableHandle] = []
 
+
+def _share(records: list, entries_left: int) -> int:
+    """How many of ``records`` (whole storages, in order) to copy now so that each of ``entries_left``
+    entries copies about its share of their bytes: at least one, all of them at the last entry."""
+    share = sum(r.nbytes for r in records) / max(entries_left, 1)
+    count, taken = 0, 0
+    while count < len(records) and taken < share:
+        taken += records[count].nbytes
+        count += 1
+    return count

@@ -70,6 +70,8 @@ class EngineIterations:
             self._triggers, self._graph_dropped = [], False
             # per-layer graphs: (layer, the entry that releases it, whether its copies have begun)
             self._deferred_offloads: list[tuple[int, int, bool]] = []
+            # and (layer, its records still on the host) for the reloads spread over the backwards
+            self._deferred_reloads: list[tuple[int, list]] = []
 
     def _abort(self) -> None:
         """A step failed: give back every buffer and start afresh."""

@@ -70,9 +70,11 @@ class EngineSettings:
 
         Per layer, a layer's copies to the host are spread over the entries of the layers after it, up
         to the one that releases it, and each of those joins its share at its exit: they run beside the
-        later layers' forwards inside their graphs, and no graph ends with a copy still forked from it. With ``"step"`` (the default) the copies start as each layer's forward
-        ends, and the release of their layer joins them, as in an eager step. Eager steps behave the
-        same under both.
+        later layers' forwards inside their graphs, and no graph ends with a copy still forked from it.
+        Its reload is spread the same way over the backwards from the one that starts it to the one
+        before its own, each joined as its backward call ends. With ``"step"`` (the default) the copies
+        start as each layer's forward ends, and the release of their layer joins them, as in an eager
+        step. Eager steps behave the same under both.
         """
         if scope not in ("step", "layer"):
             raise ValueError(f"capture scope must be 'step' or 'layer', got {scope!r}")

@@ -182,8 +182,8 @@ def make_graphed_layers(layers: Sequence[nn.Module], example: torch.Tensor, ctx:
     :class:`OffloadedLayer`, the context is told that captures hold single layers
     (``ctx.set_capture_scope("layer")``), and the copies then run inside the graphs: a layer's copies
     to the host spread over the forwards of the layers after it, up to its release, its copies back
-    beside the backward of the layer after it. Replays run no engine code; the host buffers are the ones the warm-up made, the same
-    in every replay.
+    over the backwards from its reload's start to its own. Replays run no engine code; the host
+    buffers are the ones the warm-up made, the same in every replay.
 
     Parameters
     ----------
