@@ -93,7 +93,9 @@ def test_per_layer_scope_spreads_a_layers_copies_over_the_entries_before_its_rel
     assert all(torch.equal(a, b) for a, b in zip(plain, _grads(layers, x)))
 
 
-def test_a_storage_resized_while_its_layer_waits_for_its_copies_stays_and_the_trace_follows_the_copies(monkeypatch):
+@pytest.mark.parametrize("piece", [None, 256])
+def test_a_storage_resized_while_its_layer_waits_for_its_copies_stays_and_the_trace_follows_the_copies(
+        monkeypatch, piece):
     """Per layer, a layer's storages wait for later entries to be copied. One resized meanwhile (as
     FSDP's reshard frees a gathered weight) is not copied: it stays on the device, with a warning, and
     the step keeps its bits; the resident bytes at every phase are what the schedule predicts."""
@@ -129,13 +131,18 @@ def test_a_storage_resized_while_its_layer_waits_for_its_copies_stays_and_the_tr
         h.float().square().mean().backward()
         return [p.grad.clone() for p in layers[1:].parameters()] + [x.grad.clone()]
 
-    plain = step(resize_after=1)
+    at = 1 if piece is None else 4  # before its copy began, or half-way through
+    if piece is not None:
+        from offload_examples.core import entries
+
+        monkeypatch.setattr(entries, "MIN_PIECE_BYTES", piece)
+    plain = step(resize_after=at)
     ctx, sync = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=n, retain_pinned_cpu_buffers=True)
     step(ctx, sync)
     ctx.set_capture_scope("layer")
     monkeypatch.setattr(type(ctx), "capturing", lambda self: True)
-    with pytest.warns(OffloadWarning, match="resized before its copy"):
-        got = step(ctx, sync, resize_after=1)
+    with pytest.warns(OffloadWarning, match="resized before its copy to the host " + ("began" if piece is None else "ended")):
+        got = step(ctx, sync, resize_after=at)
     assert all(torch.equal(a, b) for a, b in zip(plain, got))
     # nothing resized, another context (a graph keeps its buffers): in the forward the bytes waiting for
     # their copies count as on the device, as the schedule predicts at every phase; in the backward the
@@ -153,6 +160,85 @@ def test_a_storage_resized_while_its_layer_waits_for_its_copies_stays_and_the_tr
     assert all(got <= expected for got, expected in backward), points
     assert [got for got, _ in backward] == sorted(got for got, _ in backward), points  # it only grows
     assert backward[-2][0] == backward[-2][1] > 0, points  # all of layer 0 back by the backward of layer 1
+
+
+def _queued(ctx, layer: int) -> int:
+    return sum(r.queued for r in ctx._records[layer])
+
+
+def _tanh_stack(n: int) -> torch.nn.ModuleList:
+    """Layers that each offload one 16 KiB storage (the tanh's output, for a 64 x 64 input)."""
+    torch.manual_seed(0)
+    return torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64))
+                               for _ in range(n))
+
+
+def test_per_layer_scope_copies_a_storage_larger_than_a_share_in_pieces(monkeypatch):
+    """A storage larger than a layer's share of the copies is copied in pieces over several graphs:
+    each entry queues about its share (one piece more at most), all of it before the release, and
+    the gradients stay bitwise."""
+    from offload_examples.core import entries
+
+    monkeypatch.setattr(entries, "MIN_PIECE_BYTES", 256)
+    n = 8
+    layers = _tanh_stack(n)
+    x = torch.randn(64, 64, requires_grad=True)
+    plain = _step(layers, x)
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=n, retain_pinned_cpu_buffers=True)
+    _step(layers, x, ctx, sync)
+    whole = ctx.stats[0].offloaded_bytes
+    ctx.set_capture_scope("layer")
+    monkeypatch.setattr(type(ctx), "capturing", lambda self: True)
+    queued = _watched_step(layers, x, ctx, sync, lambda: _queued(ctx, 0))
+    release = n - 1  # layer 0 is released at the forward of entry N - k
+    steps = [b - a for a, b in zip(queued, queued[1:release])]
+    assert all(0 < d <= whole / (release - 1) + 256 for d in steps), (queued, whole)  # shares, in pieces
+    assert queued[release - 1] == whole == ctx.stats[0].offloaded_bytes, queued
+    assert all(torch.equal(a, b) for a, b in zip(plain, _grads(layers, x)))
+
+
+def test_a_storage_half_copied_when_a_step_begins_again_stays_on_the_device(monkeypatch):
+    """A step cut short while a storage is copied in pieces, its graph still held (a kept exception):
+    when the next step begins, the half-copied storage keeps its device bytes and gives its buffer
+    back, so the held graph's backward reads the bytes it saved, not a half-written buffer."""
+    from offload_examples.core import entries
+
+    monkeypatch.setattr(entries, "MIN_PIECE_BYTES", 256)
+    n = 8
+    layers = _tanh_stack(n)
+    x = torch.randn(64, 64, requires_grad=True)
+
+    def first_layers(ctx=None, sync=None):
+        h = x
+        for layer in layers[:3]:
+            with ctx or torch.enable_grad():
+                h = layer(h)
+            h = sync(h) if sync else h
+        return h
+
+    for p in layers.parameters():
+        p.grad = None
+    first_layers().float().square().mean().backward()
+    plain = _grads(layers[:3], x)
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=n, retain_pinned_cpu_buffers=True)
+    _step(layers, torch.randn_like(x).requires_grad_(), ctx, sync)  # the buffers, filled with other bytes
+    ctx.set_capture_scope("layer")
+    monkeypatch.setattr(type(ctx), "capturing", lambda self: True)
+    for p in layers.parameters():
+        p.grad = None
+    x.grad = None
+    held = first_layers(ctx, sync)
+    assert 0 < _queued(ctx, 0) < ctx._records[0][0].nbytes, "layer 0's storage is half copied"
+    ctx._step_begins_again()  # what offload_layers calls when the first layer runs again
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        held.float().square().mean().backward()
+    assert all(torch.equal(a, b) for a, b in zip(plain, _grads(layers[:3], x)))
+    del held
+    gc.collect()
+    assert ctx.pool.held_bytes == ctx.pool.free_bytes + ctx.pool.graph_bytes  # every buffer came back
 
 
 def test_per_layer_scope_spreads_a_layers_reload_over_the_backwards_before_its_own(monkeypatch):

@@ -91,7 +91,7 @@ class _StorageRecord:
 
     __slots__ = ("streams", "pool", "layer", "iteration", "nbytes", "home", "device", "original", "version",
                  "original_ref", "witness", "weak", "address", "host", "offloaded", "reloaded", "views", "aborted", "captured",
-                 "tried", "last_saved", "slice_of_data")
+                 "tried", "last_saved", "slice_of_data", "queued")
 
     def __init__(self, engine: OffloadEngine, layer: int, t: torch.Tensor, storage: torch.UntypedStorage,
                  home: torch.cuda.Stream | None, captured: bool):
@@ -124,6 +124,8 @@ class _StorageRecord:
         self.slice_of_data = t.grad_fn is None and t.numel() * t.element_size() < self.nbytes
         #: When a tensor of this storage was last saved (the engine's count of saves): the reload order.
         self.last_saved = engine._saves
+        #: Bytes whose copy to the host is queued: all or none, but for per-layer graphs (copy_piece).
+        self.queued = 0
 
     def borrow_host(self) -> HostBuffer:
         """Step 2, first half: a host buffer for the copy. Raises :class:`HostMemoryLimitError` (or the
@@ -158,8 +160,21 @@ class _StorageRecord:
                 first.pool.give_back(host, queued or host.ready)
             raise
         for rec, host in zip(records, hosts):
-            rec.offloaded, rec.host = done, host
+            rec.offloaded, rec.host, rec.queued = done, host, rec.nbytes
         return records
+
+    def copy_piece(self, host: HostBuffer, stop: int) -> bool:
+        """Per-layer graphs: queue the copy of bytes ``[queued, stop)`` into ``host`` in the graph being
+        captured, which joins it at its exit. The buffer is attached at the first piece; the release
+        comes after the last (entries.py); a storage left half copied stays (:meth:`detach_host`)."""
+        self.offloaded = self.streams.copy(host.data[self.queued:stop], self.device[self.queued:stop],
+                                           on=self.streams.d2h, after=(self.home,), lane="device-to-host", layer=self.layer)
+        self.host, self.queued = host, stop
+        return stop == self.nbytes
+
+    def detach_host(self) -> None:  # a copy out left half done: the storage stays on the device
+        self.pool.give_back(self.host, self.offloaded)
+        self.host, self.offloaded, self.queued = None, None, 0
 
     def resized(self) -> bool:
         """Whether the storage was resized (``resize_``, as FSDP does to free and re-gather) since it was saved."""
@@ -426,7 +441,7 @@ class OffloadEngine(EngineEntries, EngineIterations, EngineReadouts, EngineSetti
         capturing = self.capturing()
         dropped, waited = False, {}
         for rec in self._records[layer]:
-            if rec.device is not None and rec.host is not None:
+            if rec.device is not None and rec.host is not None and rec.queued == rec.nbytes:
                 rec.check_capture("released", capturing)
                 if held_elsewhere(rec.device, ours=self._engine_refs(rec)):  # dropping frees nothing
                     self.stats[layer].held_bytes += rec.nbytes

@@ -36,6 +36,10 @@ from .errors import hooks_refused_error, nested_error, timing_in_capture_error
 from .layer_state import LayerState
 from .policy import outer_hooks
 
+#: Per-layer graphs copy a storage in pieces no smaller than this (but for its last one), so that each
+#: layer's graph copies about its share of the bytes without a copy of its own for a few bytes.
+MIN_PIECE_BYTES = 8 << 20
+
 __all__ = ["EngineEntries"]
 
 _active = threading.local()  # the engine whose layer is open in this thread, if any
@@ -230,20 +234,49 @@ class EngineEntries:
     def _start_deferred_offloads(self) -> None:
         """Per-layer graphs: queue copies of the layers whose forward ended in an earlier graph, spread over
         the entries before each one's release: at each, that layer's bytes left over the entries left
-        (all of them at the last), whole storages in the order they were saved. They run beside this
-        layer's forward, in its graph, which joins them at its exit; replays run the graphs in the order
-        they were captured, so the copies read what the earlier graphs wrote."""
+        (all of them at the last), whole storages in the order they were saved, and a piece of the next
+        one where a whole one would exceed the share. They run beside this layer's forward, in its
+        graph, which joins them at its exit; replays run the graphs in the order they were captured, so
+        the copies read what the earlier graphs wrote."""
         entry, pending = self._entered, []
         for layer, deadline, started in self._deferred_offloads:
-            # looked up again at every entry: a storage freed or resized since is no longer copied
-            records = self._offload_candidates(layer)
             if not started:
                 self.events.append(("offload_start", layer))
-            count = _share(records, deadline - entry)
-            self._copy_out(records[:count])
-            if count < len(records):
+            # looked up again at every entry: a storage freed or resized since is no longer copied
+            records = self._half_copied(layer) + self._offload_candidates(layer)
+            self._copy_share(layer, records, sum(r.nbytes - r.queued for r in records) / max(deadline - entry, 1))
+            if any(r.queued < r.nbytes and r.device is not None for r in records):
                 pending.append((layer, deadline, True))
         self._deferred_offloads = pending
+
+    def _copy_share(self, layer: int, records: list, share: float) -> None:
+        """Queue about ``share`` bytes of ``records``: whole storages in one batch, the rest in pieces."""
+        whole, left = [], share
+        for rec in records:
+            rest = rec.nbytes - rec.queued
+            if left <= 0 or (left < min(rest, MIN_PIECE_BYTES) and left < share):
+                break  # too small a piece to be worth a copy of its own: the next entry takes it
+            if rec.queued == 0 and rest <= left:
+                whole.append(rec)
+                left -= rest
+                continue
+            piece = min(rest, max(int(left), MIN_PIECE_BYTES))
+            left -= piece
+            host = rec.host or self._or_warn(layer, rec.borrow_host)
+            if host is not None and rec.copy_piece(host, rec.queued + piece):
+                self._count_offloaded(layer, rec.nbytes, rec.views)
+        self._copy_out(whole)
+
+    def _half_copied(self, layer: int) -> list:
+        """The storage of ``layer`` copied out in part (at most one): still on the device and unresized,
+        else its buffer goes back and it stays where it is."""
+        half = [r for r in self._records[layer] if r.host is not None and r.queued < r.nbytes]
+        for rec in half:
+            if rec.device is not None and rec.resized():
+                self._warn_once("resized", f"a storage saved in layer {layer} was resized before its copy to the "
+                                           "host ended (resize_): it stays on the device")
+                rec.detach_host()
+        return [r for r in half if r.host is not None and r.device is not None]
 
     def _start_deferred_reloads(self, entry: int) -> None:
         """Per-layer graphs: copy back, in the graph of the backward of ``entry``, a share of each
@@ -269,9 +302,9 @@ class EngineEntries:
         return self.capture_scope == "layer" and self.capturing()
 
     def _waiting_bytes(self) -> int:
-        """Bytes of the deferred layers' storages whose copies are not queued yet: still on the device."""
+        """Bytes of the deferred layers' storages whose copies are not all queued yet: still on the device."""
         return sum(r.nbytes for layer, _, _ in self._deferred_offloads for r in self._records[layer]
-                   if not r.tried and r.device is not None)
+                   if r.device is not None and (not r.tried or (r.host is not None and r.queued < r.nbytes)))
 
     @_disabled_for_dynamo
     def sync(self, x: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,8 @@ class EngineIterations:
                 self.streams.forget_forks()
             for records in getattr(self, "_records", []):
                 for rec in records:
+                    if rec.host is not None and rec.queued < rec.nbytes:  # half copied: it stays
+                        rec.detach_host()
                     if rec.host is not None:  # never-offloaded records keep their only copy
                         rec.drop_device(capturing)
             if self.iteration >= 0:  # a capture starting now takes its buffers from the free lists
