@@ -10,6 +10,7 @@ replay is no slower than the eager offloaded step, and what cannot be captured f
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -17,7 +18,9 @@ import torch
 from offload_examples import GraphCaptureError, get_cpu_offload_context
 from offload_examples.features.graphs import capture_step
 from offload_examples.core.host_pool import HostBufferPool, NoFreeBufferError
-from offload_examples.instruments.measure import compare_grads, deterministic_kernels, measure_steps, training_step
+from offload_examples.instruments.graph_variants import VARIANTS, memory_row
+from offload_examples.instruments.measure import (balanced_rounds, compare_grads, deterministic_kernels, measure_steps,
+                                                  training_step)
 from offload_examples.instruments.models import build_basic_model, build_linear_stack
 from offload_examples.scenarios.cuda_graphs import GraphsConfig, format_report, run
 
@@ -83,11 +86,72 @@ def test_capture_step_needs_cuda_and_a_warmup():
         capture_step(lambda x: x, x, [])
 
 
-def test_scenario_runs_the_graph_safe_path_on_cpu():
-    report = run(GraphsConfig.small(), "cpu", progress=None)
+@pytest.fixture(scope="module")
+def cpu_report():
+    return run(GraphsConfig.small(), "cpu", progress=None)
+
+
+def test_scenario_runs_the_graph_safe_path_on_cpu(cpu_report):
+    report = cpu_report
     assert report["grads_equal"] and report["checks"] == 3 and not report["captured"]
+    assert report["grads_equal_by_variant"] == {"eager + offload, frozen buffers": True}
     assert report["pinned_allocations_after_freeze"] == 0
     assert "capture needs CUDA" in format_report(report)
+
+
+def test_on_cpu_the_eager_variants_take_turns_and_the_graphed_ones_need_cuda(cpu_report):
+    """The two eager variants take turns in balanced rounds; the offloading one has its overhead's spread
+    against the other; the four graphed variants have no row and print as needing CUDA."""
+    rows = cpu_report["rows"]
+    assert list(rows) == ["eager", "eager + offload"]
+    assert cpu_report["rounds"] == balanced_rounds(2, GraphsConfig.small().replays)
+    for row in rows.values():
+        assert row["peak_bytes"] is None and row["step_ms_range"][0] <= row["step_ms"] <= row["step_ms_range"][1]
+    spread = rows["eager + offload"]
+    assert spread["overhead_range"][0] <= spread["overhead_quartiles"][0] <= spread["overhead"] \
+        <= spread["overhead_quartiles"][1] <= spread["overhead_range"][1]
+    lines = format_report(cpu_report).splitlines()
+    for name in VARIANTS[2:]:
+        assert any(re.fullmatch(re.escape(name) + r" +needs CUDA", line) for line in lines), name
+
+
+def _cuda_shaped(cpu_report: dict) -> dict:
+    """The CPU report with what a run on CUDA adds, in made-up numbers: peaks, the four graphed rows with
+    their pools and spreads, and the captures' entries."""
+    report = copy.deepcopy(cpu_report)
+    rows, mib = report["rows"], 2**20
+    spread = {"overhead": 0.083, "overhead_quartiles": [0.079, 0.088], "overhead_range": [0.071, 0.102]}
+    times = {"step_ms": 42.5, "step_ms_range": [42.4, 42.6]}
+    rows["eager"].update(memory_row(4000 * mib))
+    rows["eager + offload"].update(memory_row(3440 * mib, 4000 * mib, 560 * mib))
+    rows["graphed"] = {**memory_row(4100 * mib), **times}
+    rows["graphed + offload"] = {**memory_row(3540 * mib, 4100 * mib, 560 * mib), **times, **spread}
+    rows["per-layer graphs"] = {**memory_row(4200 * mib, key="pool_bytes"), **times}
+    rows["per-layer graphs + offload"] = {**memory_row(3660 * mib, 4200 * mib, 560 * mib, key="pool_bytes"),
+                                          **times, **spread}
+    report.update(device_type="cuda", device="NVIDIA H200", captured=True, per_layer_backend="torch",
+                  per_layer_offloaded_bytes=560 * mib, d2h_busy_ms=11.6, d2h_overlapped_ms=8.6)
+    return report
+
+
+def test_the_report_of_a_cuda_run_shows_six_variants_with_the_overheads_spread(cpu_report):
+    """A memory table and a time table, each with a line for every variant; the offloading variants'
+    savings against theory, and their overheads with the quartiles."""
+    text = format_report(_cuda_shaped(cpu_report))
+    lines: dict[str, str] = {}
+    for line in text.splitlines():  # a variant's lines of both tables, joined
+        name = line.split("  ")[0]
+        lines[name] = lines.get(name, "") + " | " + line
+    assert "needs CUDA" not in text and "CPU run" not in text
+    assert "overhead of offloading (median, quartiles)" in text
+    assert "4.00 GiB " in lines["graphed"] and "4.10 GiB pool" in lines["per-layer graphs"]
+    for name in ("eager + offload", "graphed + offload", "per-layer graphs + offload"):
+        assert "of theory" in lines[name], lines[name]
+    for name in ("graphed + offload", "per-layer graphs + offload"):
+        assert lines[name].endswith("+8.3% (+7.9% .. +8.8%)"), lines[name]
+    assert "96.4% of theory" in lines["per-layer graphs + offload"]  # a pool 540 MiB smaller, of 560
+    assert "smaller by 540.00 MiB;\nthe engine offloaded 560.00 MiB a step" in text
+    assert "11.6 ms, 8.6 ms of it while kernels ran" in text
 
 
 # ---------------------------------------------------------------------- GPU
@@ -120,6 +184,26 @@ def test_gpu_replay_is_no_slower_than_the_eager_offloaded_step(graphs_report):
     assert rows["graphed + offload"]["step_ms"] <= rows["eager + offload"]["step_ms"], rows
     # and the copies really run inside the replayed graph, mostly under kernels
     assert graphs_report["d2h_busy_ms"] > 0 and graphs_report["d2h_overlapped_ms"] >= 0.5 * graphs_report["d2h_busy_ms"]
+
+
+@pytest.mark.gpu
+def test_gpu_six_variants_replay_bitwise_and_per_layer_graphs_save_the_offloaded_bytes(cuda):
+    """A smaller model than the default, still large enough that the offloaded bytes stand well above
+    the pools' rounding: every variant has a row and a time, every graph replays bitwise, the per-layer
+    graphs' pool shrinks by about what the engine offloaded, and each offloading variant's overhead has
+    its spread over the rounds."""
+    report = run(GraphsConfig(layers=6, offload=2, seq=512, batch=4, replays=6, checks=2, warmup=1), cuda,
+                 progress=None)
+    print(format_report(report))
+    rows = report["rows"]
+    assert tuple(rows) == VARIANTS and all(r["step_ms"] > 0 for r in rows.values())
+    assert report["grads_equal"], report["grads_equal_by_variant"]
+    assert set(report["grads_equal_by_variant"]) == set(VARIANTS[2:])
+    moved = report["per_layer_offloaded_bytes"]
+    assert moved > 0 and rows["per-layer graphs + offload"]["saving_bytes"] >= 0.9 * moved, (rows, moved)
+    for name in VARIANTS[1::2]:
+        low, high = rows[name]["overhead_range"]
+        assert low <= rows[name]["overhead_quartiles"][0] <= rows[name]["overhead"] <= high, rows[name]
 
 
 def _small_cuda_model(cuda):

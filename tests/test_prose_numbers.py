@@ -275,13 +275,6 @@ def _fsdp_bar(d: Data) -> tuple[str, ...]:
     return (_f(100 * float(bar)),)
 
 
-def _graph_pool_extra(d: Data) -> tuple[str, ...]:
-    """Graphed minus eager peak, without and with offloading, from the table's printed GiB."""
-    rows = dict(re.findall(r"^((?:eager|graphed)(?: \+ offload)?) +([\d.]+) GiB", d.load("notebooks/04_cuda_graphs.ipynb"), re.M))
-    extra = [float(rows[f"graphed{v}"]) - float(rows[f"eager{v}"]) for v in ("", " + offload")]
-    return _claim(all(e > 0 for e in extra), tuple(_f(e, 2) for e in extra), f"graphed - eager: {extra} GiB")
-
-
 def _optimizer_theory(d: Data) -> tuple[str, ...]:
     shares = set(re.findall(r"\(([\d.]+)%\)", d.load("notebooks/06_optimizer_offload.ipynb")))
     return tuple(shares) if len(shares) == 1 else (f"<differs: {sorted(shares)}>",)
@@ -525,9 +518,6 @@ QUOTED = [
     Quoted("notebooks/02_basic.ipynb", "measured the default path at {} % against the offload path",
            lambda d: (f"{100 * d.run('A', NO_OFFLOAD_DEFAULT_PATH, 0)['overhead']:+.1f}",),
            "bench.json: model A's row for TE's default path without offloading"),
-    Quoted("notebooks/04_cuda_graphs.ipynb", "peaks a little higher than the eager one, by {} GiB without offloading "
-           "and {} GiB with", _graph_pool_extra,
-           "the notebook's table: graphed minus eager peak, without and with offloading (both above zero)"),
     Quoted("notebooks/06_optimizer_offload.ipynb", "matches the theory ({}% at every fraction)", _optimizer_theory,
            "the notebook's table: measured over theoretical state bytes of every fraction"),
 ]

@@ -198,17 +198,20 @@ def plot_variants(rows: Mapping[str, Mapping[str, Any]], title: str = "") -> Fig
     """Peak memory and step time of a few ways to run the same step, side by side.
 
     ``rows`` maps a label to a dict with ``peak_bytes`` (``None`` without CUDA) and ``step_ms``,
-    as the CUDA-graph and weight-streaming scenarios report them.
+    as the CUDA-graph and weight-streaming scenarios report them. A row whose memory is a graph pool
+    (``pool_bytes``, with ``peak_bytes`` ``None``) shows the pool, hatched.
     """
     import matplotlib.pyplot as plt
 
     fig, (mem, ms) = plt.subplots(1, 2, figsize=(10, 0.5 + 0.45 * len(rows)), layout="constrained")
     labels = list(rows)[::-1]
     colors = ["#3182bd" if "offload" in k or "stream" in k else "#969696" for k in labels]
-    peaks = [(rows[k]["peak_bytes"] or 0) / GiB for k in labels]
+    pooled = [rows[k]["peak_bytes"] is None and rows[k].get("pool_bytes") is not None for k in labels]
+    peaks = [(rows[k]["pool_bytes"] if pool else rows[k]["peak_bytes"] or 0) / GiB for k, pool in zip(labels, pooled)]
     times = [rows[k]["step_ms"] for k in labels]
-    for ax, values, unit in ((mem, peaks, "peak GPU memory (GiB)"), (ms, times, "step time (ms)")):
-        bars = ax.barh(labels, values, color=colors)
+    memory = "peak GPU memory (GiB)" + ("; hatched: the graphs' pool" if any(pooled) else "")
+    for ax, values, unit in ((mem, peaks, memory), (ms, times, "step time (ms)")):
+        bars = ax.barh(labels, values, color=colors, hatch=["//" if pool and ax is mem else "" for pool in pooled])
         ax.bar_label(bars, fmt="%.2f" if ax is mem else "%.1f", padding=3, fontsize=8)
         ax.set_xlabel(unit)
         ax.margins(x=0.15)
