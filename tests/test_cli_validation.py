@@ -39,7 +39,7 @@ POSITIVE = {"layers", "offload", "hidden", "heads", "ffn", "seq", "batch", "step
             "kv_heads", "vocab", "lora_rank", "loss_chunk", "resolution", "max_seq"}
 MAY_BE_ZERO = {"warmup", "seed", "checkpoint"}
 CHOICES = {"dtype": DTYPES, "kind": KINDS, "backend": ("auto", "nccl", "gloo"), "models": tuple(bench.MODELS),
-           "strategies": bench.STRATEGIES, "wrap": ("fsdp", "ddp")}
+           "strategies": bench.STRATEGIES, "wrap": ("fsdp", "ddp"), "skip": ("", "graphed")}
 CUDA = torch.cuda.is_available()
 GPUS = torch.cuda.device_count() if CUDA else 0
 

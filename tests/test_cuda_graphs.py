@@ -18,7 +18,7 @@ import torch
 from offload_examples import GraphCaptureError, get_cpu_offload_context
 from offload_examples.features.graphs import capture_step
 from offload_examples.core.host_pool import HostBufferPool, NoFreeBufferError
-from offload_examples.instruments.graph_variants import VARIANTS, memory_row
+from offload_examples.instruments.graph_variants import TE_VARIANTS, VARIANTS, memory_row
 from offload_examples.instruments.measure import (balanced_rounds, compare_grads, deterministic_kernels, measure_steps,
                                                   training_step)
 from offload_examples.instruments.models import build_basic_model, build_linear_stack
@@ -130,8 +130,29 @@ def _cuda_shaped(cpu_report: dict) -> dict:
     rows["per-layer graphs + offload"] = {**memory_row(3660 * mib, 4200 * mib, 560 * mib, key="pool_bytes"),
                                           **times, **spread}
     report.update(device_type="cuda", device="NVIDIA H200", captured=True, per_layer_backend="torch",
-                  per_layer_offloaded_bytes=560 * mib, d2h_busy_ms=11.6, d2h_overlapped_ms=8.6)
+                  per_layer_offloaded_bytes=560 * mib, d2h_busy_ms=11.6, d2h_overlapped_ms=8.6, copy_bound_ms=41.9,
+                  link_gb_per_s={"d2h": 54.9, "h2d": 55.0}, per_layer_over_reference=0.004)
     return report
+
+
+def test_the_report_of_a_te_run_compares_the_engine_with_te_offload_and_the_copy_bound(cpu_report):
+    """On Transformer Engine's layers the report adds TE's offloading, eager and in a whole-step graph,
+    with their overheads, and each offloading variant of the engine against them, round by round; the
+    per-layer graphs' step is set against the copy bound."""
+    report = _cuda_shaped(cpu_report)
+    rows = report["rows"]
+    te_spread = {"overhead": 0.041, "overhead_quartiles": [0.03, 0.05], "overhead_range": [0.01, 0.06]}
+    for name in TE_VARIANTS:
+        rows[name] = {**memory_row(3500 * 2**20, 4000 * 2**20), "step_ms": 44.0, "step_ms_range": [43.9, 44.1],
+                      **te_spread}
+    rows["per-layer graphs + offload"]["against"] = {
+        "graphed + TE offload": {"overhead": -0.035, "overhead_quartiles": [-0.04, -0.03], "overhead_range": [0, 0]}}
+    text = format_report(report)
+    for name in TE_VARIANTS:
+        assert re.search(re.escape(name) + r" +44\.0 ms +\+4\.1% \(\+3\.0% \.\. \+5\.0%\)", text), text
+    assert "copy bound: 41.9 ms (the schedule's copies at 54.9 GB/s out and 55.0 GB/s back" in text
+    assert "per-layer graphs + offload: +0.4% over the larger of it and" in text
+    assert "per-layer graphs + offload against graphed + TE offload: -3.5% (-4.0% .. -3.0%)" in text
 
 
 def test_the_report_of_a_cuda_run_shows_six_variants_with_the_overheads_spread(cpu_report):
@@ -204,6 +225,21 @@ def test_gpu_six_variants_replay_bitwise_and_per_layer_graphs_save_the_offloaded
     for name in VARIANTS[1::2]:
         low, high = rows[name]["overhead_range"]
         assert low <= rows[name]["overhead_quartiles"][0] <= rows[name]["overhead"] <= high, rows[name]
+
+
+@pytest.mark.gpu
+def test_gpu_te_per_layer_graphs_take_turns_with_te_offload_eager_and_graphed(te, cuda):
+    """On Transformer Engine's layers the scenario adds TE's own offloading, eagerly and with the whole
+    step captured: every variant replays bitwise like an eager step without offloading, and the engine's
+    per-layer graphs are set against both and against the copy bound, round by round."""
+    report = run(GraphsConfig(layers=6, offload=2, seq=512, batch=4, replays=6, checks=2, warmup=1, kind="te",
+                              skip="graphed"), cuda, progress=None)
+    print(format_report(report))
+    rows = report["rows"]
+    assert set(TE_VARIANTS) <= set(rows) and "graphed" not in rows
+    assert report["grads_equal"], report["grads_equal_by_variant"]
+    assert set(rows["per-layer graphs + offload"]["against"]) == set(TE_VARIANTS)
+    assert report["copy_bound_ms"] > 0 and report["per_layer_backend"] == "te"
 
 
 def _small_cuda_model(cuda):

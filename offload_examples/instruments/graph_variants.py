@@ -10,25 +10,33 @@ offloading, round by round. :func:`format_report` prints the rows and the checks
 from __future__ import annotations
 
 import itertools
+import statistics
+from functools import partial
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import torch
 
-from offload_examples.features.graphs import CapturedStep, _capture_stream
+from offload_examples.features.graphs import CapturedStep, _capture_stream, capture_step
 from offload_examples.instruments.measure import (
-    GradCheck, Measurement, Run, balanced_rounds, compare_grads, free_memory, measure_round_robin, overhead_spread,
-    training_step,
+    GradCheck, Measurement, Run, balanced_rounds, compare_grads, free_memory, measure_round_robin, measure_steps,
+    overhead_spread, snapshot, training_step,
 )
 from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table
 
-__all__ = ["OFFLOAD", "VARIANTS", "check_replays", "format_report", "memory_row", "pool_growth", "replaying",
-           "summarize_checks", "time_in_turns", "warm_capture_stream"]
+__all__ = ["OFFLOAD", "TE_OFFLOAD", "TE_VARIANTS", "VARIANTS", "check_replays", "format_report", "graph_safe_checks",
+           "graphed_layer_ms", "memory_row", "per_layer_step", "pool_growth", "replaying", "summarize_checks",
+           "te_offload_variants", "time_in_turns", "warm_capture_stream"]
 
 #: What an offloading variant's name ends with; the rest of the name is its variant without offloading.
 OFFLOAD = " + offload"
+#: The same for Transformer Engine's offloading, on its layers (:func:`te_offload_variants`).
+TE_OFFLOAD = " + TE offload"
 #: The variants, in the report's order.
 VARIANTS = ("eager", "eager + offload", "graphed", "graphed + offload", "per-layer graphs",
             "per-layer graphs + offload")
+#: Transformer Engine's offloading eagerly and in a whole-step graph (its context cannot run in per-layer
+#: graphs: it starts a layer's copies in the next layer's forward and waits for them across graphs).
+TE_VARIANTS = ("eager + TE offload", "graphed + TE offload")
 
 T = TypeVar("T")
 
@@ -138,9 +146,91 @@ def time_in_turns(runs: Mapping[str, Run], rows: dict[str, dict[str, Any]], warm
     timed = measure_round_robin(runs, steps=rounds, warmup=warmup)
     for name, m in timed.items():
         rows[name].update(step_ms=m.median_ms, step_ms_range=[min(m.step_ms), max(m.step_ms)])
-        if name.endswith(OFFLOAD) and name.removesuffix(OFFLOAD) in timed:
-            rows[name].update(overhead_spread(m.step_ms, timed[name.removesuffix(OFFLOAD)].step_ms))
+        base = name.removesuffix(OFFLOAD).removesuffix(TE_OFFLOAD)
+        if base != name and base in timed:
+            rows[name].update(overhead_spread(m.step_ms, timed[base].step_ms))
+        if name.endswith(OFFLOAD):  # the engine against Transformer Engine's offloading, round by round
+            rows[name]["against"] = {te: overhead_spread(m.step_ms, timed[te].step_ms) for te in TE_VARIANTS
+                                     if te in timed}
     return rounds
+
+
+def graphed_layer_ms(graphed: Sequence[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor, steps: int = 3
+                     ) -> tuple[list[float], list[float]]:
+    """Each layer's forward and backward ms in training steps through per-layer graphs (medians of ``steps``).
+
+    CUDA events go between the layers' forward replays, and into hooks on their outputs, which run as each
+    backward graph before has ended: a graph replays its kernels back to back, so each span is the
+    layer's GPU time. The last layer's backward includes the loss's.
+    """
+    n, times = len(graphed), []
+    for _ in range(steps):
+        marks, back = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)], {}
+        x.grad = None
+        marks[0].record()
+        h = x
+        for i, layer in enumerate(graphed):
+            h = layer(h)
+            marks[i + 1].record()
+            if i < n - 1:
+                h.register_hook(lambda g, i=i: back.setdefault(i, torch.cuda.Event(enable_timing=True)).record())
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        h.float().square().mean().backward()
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        ends = [start] + [back[i] for i in range(n - 2, -1, -1)] + [end]  # layers n-1 .. 0
+        times.append(([marks[i].elapsed_time(marks[i + 1]) for i in range(n)],
+                      [ends[j].elapsed_time(ends[j + 1]) for j in range(n)][::-1]))
+    return [statistics.median(t[0][i] for t in times) for i in range(n)], \
+        [statistics.median(t[1][i] for t in times) for i in range(n)]
+
+
+def te_offload_variants(model: torch.nn.ModuleList, inputs: Sequence[torch.Tensor], refs: Sequence[Measurement],
+                        k: int, warmup: int, rows: Mapping[str, dict[str, Any]]
+                        ) -> tuple[dict[str, dict[str, Any]], dict[str, Run], dict[str, GradCheck]]:
+    """Transformer Engine's offloading of the first ``k`` layers, on the same (TE) layers and inputs: eagerly,
+    as the benchmark runs it, and with the whole step captured, as TE documents its offloading under CUDA
+    graphs. Their rows (memory, against ``rows``' eager and graphed peaks), their steps for
+    :func:`time_in_turns` and their checks against eager steps without offloading."""
+    import transformer_engine.pytorch as te
+
+    n, x = len(model), inputs[0].clone().requires_grad_()
+    ctx, sync = te.get_cpu_offload_context(True, k, n, True, False)
+    eager = measure_steps(model, x, ctx, sync, steps=2, warmup=1)
+    checks = {"eager + TE offload": check_replays(refs, inputs, lambda xi: measure_steps(
+        model, xi.clone().requires_grad_(), ctx, sync, steps=1, warmup=0))}
+    # a graph replays the host buffers of its capture: they must stay
+    graph_ctx, graph_sync = te.get_cpu_offload_context(True, k, n, True, False, retain_pinned_cpu_buffers=True)
+    captured = capture_step(lambda xi: training_step(model, xi, graph_ctx, graph_sync), x, model.parameters(),
+                            warmup=warmup)
+    checks["graphed + TE offload"] = check_replays(
+        refs, inputs, lambda xi: snapshot(model, captured.static_input, captured.replay(xi)))
+    te_rows = {"eager + TE offload": memory_row(eager.peak_bytes, rows["eager"]["peak_bytes"]),
+               "graphed + TE offload": memory_row(captured.peak_bytes, rows.get("graphed", {}).get("peak_bytes"))}
+    runs = {"eager + TE offload": (model, x, partial(training_step, model, x, ctx, sync)),
+            "graphed + TE offload": (model, captured.static_input, replaying(captured, inputs))}
+    return te_rows, runs, checks
+
+
+def per_layer_step(model: torch.nn.ModuleList, graphed: Sequence[Callable], x: torch.Tensor) -> Measurement:
+    """A training step through per-layer graphs on a copy of ``x``: its output and gradients, on the host."""
+    x = x.clone().requires_grad_()
+    model.zero_grad(set_to_none=True)
+    return snapshot(model, x, training_step(graphed, x))
+
+
+def graph_safe_checks(report: dict[str, Any], model: torch.nn.ModuleList, inputs: Sequence[torch.Tensor],
+                      refs: Sequence[Measurement], ctx: Any, sync: Callable) -> dict[str, GradCheck]:
+    """No CUDA: run the capture's rules eagerly (frozen host buffers) and check every gradient; the report
+    gets how many buffers were pinned after the freeze (none, if the rules hold)."""
+    ctx.freeze_host_buffers()
+    pinned = ctx.pool.allocations
+    check = check_replays(refs, inputs, lambda x: measure_steps(model, x.clone().requires_grad_(), ctx, sync,
+                                                                 steps=1, warmup=0))
+    report["pinned_allocations_after_freeze"] = ctx.pool.allocations - pinned
+    return {"eager + offload, frozen buffers": check}
 
 
 def _memory_cell(row: dict[str, Any]) -> str:
@@ -156,10 +246,11 @@ def _overhead_cell(row: dict[str, Any]) -> str:
 
 
 def _table(rows: Mapping[str, dict[str, Any]], header: tuple[str, ...],
-           cells: Callable[[dict[str, Any]], tuple[str, ...]]) -> str:
-    """One line per variant, in :data:`VARIANTS`' order; a variant without a row needs CUDA."""
-    lines = [(name, *cells(rows[name])) if name in rows else (name, "needs CUDA", *[""] * (len(header) - 2))
+           cells: Callable[[dict[str, Any]], tuple[str, ...]], missing: str) -> str:
+    """One line per variant, in :data:`VARIANTS`' order; a variant without a row says ``missing``."""
+    lines = [(name, *cells(rows[name])) if name in rows else (name, missing, *[""] * (len(header) - 2))
              for name in VARIANTS]
+    lines += [(name, *cells(rows[name])) for name in TE_VARIANTS if name in rows]
     return format_table(lines, header=header)
 
 
@@ -172,26 +263,38 @@ def _time_cells(row: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _captured_lines(report: dict[str, Any]) -> list[str]:
-    pooled = report["rows"]["per-layer graphs + offload"]
-    return [
-        f"per-layer graphs ({report['per_layer_backend']} backend): with offloading their pool is smaller by "
-        f"{format_bytes(pooled['saving_bytes'])};",
-        f"the engine offloaded {format_bytes(report['per_layer_offloaded_bytes'])} a step",
-        f"device-to-host copies in a whole-step replay: {report['d2h_busy_ms']:.1f} ms, "
-        f"{report['d2h_overlapped_ms']:.1f} ms of it while kernels ran",
-    ]
+    rows = report["rows"]
+    lines = [f"per-layer graphs ({report['per_layer_backend']} backend): with offloading their pool is smaller by "
+             f"{format_bytes(rows['per-layer graphs + offload']['saving_bytes'])};",
+             f"the engine offloaded {format_bytes(report['per_layer_offloaded_bytes'])} a step"]
+    if "d2h_busy_ms" in report:
+        lines.append(f"device-to-host copies in a whole-step replay: {report['d2h_busy_ms']:.1f} ms, "
+                     f"{report['d2h_overlapped_ms']:.1f} ms of it while kernels ran")
+    if report.get("copy_bound_ms") is not None:
+        link = report["link_gb_per_s"]
+        lines += [f"copy bound: {report['copy_bound_ms']:.1f} ms (the schedule's copies at {link['d2h']:.1f} GB/s out "
+                  f"and {link['h2d']:.1f} GB/s back, beside the per-layer graphs' compute);",
+                  f"per-layer graphs + offload: {report['per_layer_over_reference']:+.1%} over the larger of it and "
+                  "the per-layer graphs' step without offloading"]
+    for name in VARIANTS:
+        for te, spread in rows.get(name, {}).get("against", {}).items():
+            lines.append("{} against {}: {:+.1%} ({:+.1%} .. {:+.1%})".format(
+                name, te, spread["overhead"], *spread["overhead_quartiles"]))
+    return lines
 
 
 def format_report(report: dict[str, Any]) -> str:
     """The six variants' memory, then their step times, how both were taken, then the checks."""
     c = report["config"]
+    missing = "not run (skipped)" if report["captured"] else "needs CUDA"
     lines = [
         f"{report['device']} (torch {report['torch']}): {c['layers']} x Linear+transformer, hidden {c['hidden']}, "
         f"seq {c['seq']}, batch {c['batch']}, {c['dtype']}; offloading {c['offload']} layers",
-        _table(report["rows"], ("variant", "peak memory", "saving"), _memory_cells),
+        _table(report["rows"], ("variant", "peak memory", "saving"), _memory_cells, missing),
         "memory: eager, the peak of its own steps; graphed, the peak during the capture;",
         "per-layer graphs, what their shared pool reserved during the capture",
-        _table(report["rows"], ("variant", "step time", "overhead of offloading (median, quartiles)"), _time_cells),
+        _table(report["rows"], ("variant", "step time", "overhead of offloading (median, quartiles)"), _time_cells,
+               missing),
         f"step times: {report['rounds']} rounds, the variants taking turns in each; overhead: round by",
         "round, the step with offloading over the same variant's without, less one",
         f"theoretical saving: {format_bytes(report['theoretical_saving_bytes'])}",

@@ -90,6 +90,8 @@ def add_config_options(parser: argparse.ArgumentParser, config_cls: type) -> lis
             kwargs.update(choices=DTYPES)
         elif f.name == "kind":
             kwargs.update(choices=KINDS)
+        elif "choices" in f.metadata:
+            kwargs.update(choices=f.metadata["choices"])
         parser.add_argument(f"--{f.name.replace('_', '-')}", **kwargs)
         names.append(f.name)
     return names

@@ -24,7 +24,7 @@ with a step without offloading.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Sequence
 
@@ -34,12 +34,13 @@ from torch import nn
 from offload_examples import get_cpu_offload_context
 from offload_examples.features.graphs import capture_step, make_graphed_layers
 from offload_examples.instruments.cli import Need
+from offload_examples.instruments.bandwidth import link_bandwidth
 from offload_examples.instruments.graph_variants import (
-    VARIANTS, check_replays, format_report, memory_row, pool_growth, replaying, summarize_checks, time_in_turns,
-    warm_capture_stream,
+    VARIANTS, check_replays, format_report, graph_safe_checks, graphed_layer_ms, memory_row, per_layer_step,
+    pool_growth, replaying, summarize_checks, te_offload_variants, time_in_turns, warm_capture_stream,
 )
 from offload_examples.instruments.measure import (
-    GradCheck, Measurement, Run, deterministic_kernels, measure_steps, resident_vs_theory, snapshot, training_step,
+    GradCheck, Run, deterministic_kernels, measure_steps, resident_vs_theory, snapshot, training_step,
 )
 from offload_examples.instruments.models import build_basic_model
 from offload_examples.instruments.report import report_header
@@ -94,9 +95,15 @@ class GraphsConfig(TransformerSize, ScenarioConfig):
     checks: int = 5
     warmup: int = 3
     kind: str = "torch"
+    #: ``"graphed"`` leaves the whole-step graphs out (their pools are the largest), else ``""``.
+    skip: str = field(default="", metadata={"choices": ("", "graphed")})
 
     #: The small size, which runs in seconds on a CPU: what it changes here (the shared sizes have their own).
     SMALL = dict(layers=4, ffn=128, seq=16, batch=2, replays=3, checks=3, warmup=1)
+
+    def check(self) -> None:
+        if self.skip not in ("", "graphed"):
+            raise ValueError(f"skip must be 'graphed' or empty, got {self.skip!r}")
 
     def memory_need(self, device_type: str) -> Need:
         """An eager step, and on CUDA four graphs' private pools (a whole step's and per-layer ones, without
@@ -140,7 +147,8 @@ def run(config: GraphsConfig | None = None, device: torch.device | str | None = 
         steps = dict(steps=config.replays, warmup=config.warmup, progress=progress)
         eager = measure_steps(model, x, label="eager", **steps)
         offloaded = measure_steps(model, x, ctx, sync, label="eager + offload", **steps)
-        report = _base_report(config, device, ctx.theoretical().saving, ctx)
+        report = {**report_header("cuda-graphs", device, config), "theoretical_saving_bytes": ctx.theoretical().saving,
+                  "offloaded_bytes": ctx.offloaded_bytes, "captured": device.type == "cuda"}
         report["rows"] = {"eager": memory_row(eager.peak_bytes), "eager + offload": memory_row(
             offloaded.peak_bytes, eager.peak_bytes, report["theoretical_saving_bytes"])}
         # the eager steps with offloading take turns through a context of their own: the host buffers of
@@ -149,26 +157,29 @@ def run(config: GraphsConfig | None = None, device: torch.device | str | None = 
         runs = {"eager": (model, x, partial(training_step, model, x)),
                 "eager + offload": (model, x, partial(training_step, model, x, eager_ctx, eager_sync))}
         if device.type == "cuda":
-            checks = _graphed(report, config, model, inputs, refs, (ctx, sync), runs, say)
+            checks = {} if config.skip else _graphed(report, config, model, inputs, refs, (ctx, sync), runs, say)
             checks |= _per_layer(report, config, model, inputs, refs, runs, say)
+            if config.kind == "te":  # Transformer Engine's own offloading, on its layers
+                say("  Transformer Engine's offloading: eager, and the whole step captured")
+                rows, te_runs, te_checks = te_offload_variants(model, inputs, refs, config.offload, config.warmup,
+                                                               report["rows"])
+                report["rows"].update(rows)
+                runs.update(te_runs)
+                checks |= te_checks
         else:
-            checks = _graph_safe_eager(report, model, inputs, refs, ctx, sync, say)
+            say("  no CUDA: capture needs a GPU; running the graph-safe path eagerly (frozen host buffers)")
+            checks = graph_safe_checks(report, model, inputs, refs, ctx, sync)
         report.update(summarize_checks(checks), checks=len(refs))
         say(f"  timing: the {len(runs)} variants take turns step by step")
         report["rounds"] = time_in_turns(runs, report["rows"], config.warmup, config.replays)
+        if device.type == "cuda":
+            rows = report["rows"]
+            report["per_layer_over_reference"] = rows["per-layer graphs + offload"]["step_ms"] / max(
+                rows["per-layer graphs"]["step_ms"], report["copy_bound_ms"]) - 1
     # the engine's count of offloaded bytes on the device, phase by phase, against the schedule's,
     # for the last step ctx ran: the captured one (replays repeat it) or the last graph-safe step
     report["resident_matches_theory"] = all(got == want for _, _, got, want in resident_vs_theory(ctx))
     return report
-
-
-def _base_report(config: GraphsConfig, device: torch.device, theory: int, ctx) -> dict[str, Any]:
-    return {
-        **report_header("cuda-graphs", device, config),
-        "theoretical_saving_bytes": theory,
-        "offloaded_bytes": ctx.offloaded_bytes,
-        "captured": device.type == "cuda",
-    }
 
 
 def _graphed(report, config, model, inputs, refs, offload, runs, say) -> dict[str, GradCheck]:
@@ -213,33 +224,21 @@ def _per_layer(report, config, model, inputs, refs, runs: dict[str, Run], say) -
         say(f"  capturing each layer in graphs of its own ({name}, {backend} backend)")
         graphed, pools[name] = pool_growth(partial(make_graphed_layers, list(model), x, ctx, sync, backend=backend,
                                                    warmup=config.warmup))
-        checks[name] = check_replays(refs, inputs, partial(_per_layer_step, model, graphed))
+        checks[name] = check_replays(refs, inputs, partial(per_layer_step, model, graphed))
         runs[name] = (model, x, partial(training_step, graphed, x))
+        if ctx is not offload[0]:  # the layers' compute, which the copies hide behind
+            layer_ms = graphed_layer_ms(graphed, x)
     theory = offload[0].theoretical().saving  # what the engine did during the capture: every replay repeats it
+    moved = [stats.offloaded_bytes for stats in offload[0].stats]
+    report["link_gb_per_s"] = link_bandwidth()
+    report["copy_bound_ms"] = offload[0].schedule.predict_step_ms(*layer_ms, moved, report["link_gb_per_s"]["d2h"],
+                                                                  report["link_gb_per_s"]["h2d"])
     plain, offloaded = pools["per-layer graphs"], pools["per-layer graphs + offload"]
     report["rows"].update({"per-layer graphs": memory_row(plain, key="pool_bytes"),
                            "per-layer graphs + offload": memory_row(offloaded, plain, theory, key="pool_bytes")})
     report.update(per_layer_backend=backend, per_layer_offloaded_bytes=offload[0].offloaded_bytes,
                   per_layer_theoretical_saving_bytes=theory)
     return checks
-
-
-def _per_layer_step(model: nn.ModuleList, graphed: list[Callable], x: torch.Tensor) -> Measurement:
-    """A training step through the per-layer graphs on a copy of ``x``: its output and gradients, on the host."""
-    x = x.clone().requires_grad_()
-    model.zero_grad(set_to_none=True)
-    return snapshot(model, x, training_step(graphed, x))
-
-
-def _graph_safe_eager(report, model, inputs, refs, ctx, sync, say) -> dict[str, GradCheck]:
-    """No CUDA: run the capture's rules eagerly (frozen host buffers) and check every gradient."""
-    say("  no CUDA: capture needs a GPU; running the graph-safe path eagerly (frozen host buffers)")
-    ctx.freeze_host_buffers()
-    pinned = ctx.pool.allocations
-    check = check_replays(refs, inputs, lambda x: measure_steps(model, x.clone().requires_grad_(), ctx, sync,
-                                                                 steps=1, warmup=0))
-    report["pinned_allocations_after_freeze"] = ctx.pool.allocations - pinned
-    return {"eager + offload, frozen buffers": check}
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
