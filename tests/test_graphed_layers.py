@@ -144,6 +144,8 @@ def test_a_storage_resized_while_its_layer_waits_for_its_copies_stays_and_the_tr
     with pytest.warns(OffloadWarning, match="resized before its copy to the host " + ("began" if piece is None else "ended")):
         got = step(ctx, sync, resize_after=at)
     assert all(torch.equal(a, b) for a, b in zip(plain, got))
+    stats = ctx.stats[0]  # the resized storage is no candidate: the theory keeps no bytes for it
+    assert stats.candidate_bytes == stats.offloaded_bytes > 0, (stats.candidate_bytes, stats.offloaded_bytes)
     # nothing resized, another context (a graph keeps its buffers): in the forward the bytes waiting for
     # their copies count as on the device, as the schedule predicts at every phase; in the backward the
     # reload comes back a share at a time, all of it before the backward of the layer
@@ -239,6 +241,64 @@ def test_a_storage_half_copied_when_a_step_begins_again_stays_on_the_device(monk
     del held
     gc.collect()
     assert ctx.pool.held_bytes == ctx.pool.free_bytes + ctx.pool.graph_bytes  # every buffer came back
+
+
+def test_a_step_cut_short_with_a_storage_half_copied_counts_no_bytes_twice(monkeypatch):
+    """A step that enters 4 of 8 layers and then runs its backward, while a storage of layer 0 is half
+    copied: it counts as resident only once all of it is queued, so nothing is taken off twice when its
+    views die, and the count ends at zero."""
+    from offload_examples.core import entries
+
+    monkeypatch.setattr(entries, "MIN_PIECE_BYTES", 256)
+    n, layers = 8, _tanh_stack(8)
+    x = torch.randn(64, 64, requires_grad=True)
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=n, retain_pinned_cpu_buffers=True)
+    _step(layers, x, ctx, sync)
+    ctx.set_capture_scope("layer")
+    monkeypatch.setattr(type(ctx), "capturing", lambda self: True)
+    h = x
+    for layer in layers[:4]:
+        with ctx:
+            h = layer(h)
+        h = sync(h)
+    assert 0 < _queued(ctx, 0) < ctx._records[0][0].nbytes, "layer 0's storage is half copied"
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the step ran fewer layers than the schedule counts
+        h.float().square().mean().backward()
+    del h
+    gc.collect()
+    assert min(b for _, _, b in ctx.resident_trace) >= 0 and ctx.resident_bytes == 0, (ctx.resident_trace,
+                                                                                        ctx.resident_bytes)
+
+
+def test_a_first_piece_that_fails_gives_its_buffer_back(monkeypatch):
+    """The first piece of a storage's copy fails (a capture refusing it, say): the step fails, and the
+    buffer it took from the pool goes back, though no storage held it yet."""
+    from offload_examples.core import entries
+    from offload_examples.core.streams import Streams as S
+
+    monkeypatch.setattr(entries, "MIN_PIECE_BYTES", 256)
+    n, layers = 8, _tanh_stack(8)
+    x = torch.randn(64, 64, requires_grad=True)
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=n, retain_pinned_cpu_buffers=True)
+    _step(layers, x, ctx, sync)
+    ctx.set_capture_scope("layer")
+    monkeypatch.setattr(type(ctx), "capturing", lambda self: True)
+    copy = S.copy
+
+    def failing(self, dst, src, **kw):
+        if isinstance(dst, torch.Tensor) and dst.numel() < 16384:  # a piece, not a whole storage
+            raise RuntimeError("the copy failed")
+        return copy(self, dst, src, **kw)
+
+    monkeypatch.setattr(S, "copy", failing)
+    with pytest.raises(RuntimeError, match="the copy failed"):
+        _step(layers, x, ctx, sync)
+    gc.collect()
+    pool = ctx.pool
+    assert pool.held_bytes == pool.free_bytes + pool.graph_bytes, (pool.held_bytes, pool.free_bytes, pool.graph_bytes)
 
 
 def test_per_layer_scope_spreads_a_layers_reload_over_the_backwards_before_its_own(monkeypatch):

@@ -67,7 +67,7 @@ from .entries import EngineEntries, _disabled_for_dynamo
 from .errors import (GraphCaptureError, OffloadWarning, aborted_step_error, capture_mismatch_error, in_place_error,
                      no_buffer_error, reload_never_started_error)
 from .iteration import EngineIterations
-from .layer_state import ALLOWED_FROM, LayerState, LayerStats
+from .layer_state import LayerState, LayerStats
 from .host_pool import HostBuffer, HostBufferPool, NoFreeBufferError
 from .readouts import EngineReadouts, LayerCounts
 from .settings import EngineSettings, checked_settings
@@ -167,8 +167,14 @@ class _StorageRecord:
         """Per-layer graphs: queue the copy of bytes ``[queued, stop)`` into ``host`` in the graph being
         captured, which joins it at its exit. The buffer is attached at the first piece; the release
         comes after the last (entries.py); a storage left half copied stays (:meth:`detach_host`)."""
-        self.offloaded = self.streams.copy(host.data[self.queued:stop], self.device[self.queued:stop],
-                                           on=self.streams.d2h, after=(self.home,), lane="device-to-host", layer=self.layer)
+        s = self.streams
+        try:
+            self.offloaded = s.copy(host.data[self.queued:stop], self.device[self.queued:stop], on=s.d2h,
+                                    after=(self.home,), lane="device-to-host", layer=self.layer)
+        except BaseException:
+            if self.host is None:  # its first piece: the buffer is no one's yet
+                self.pool.give_back(host, Streams.now(s.d2h) or host.ready)
+            raise
         self.host, self.queued = host, stop
         return stop == self.nbytes
 
@@ -361,9 +367,8 @@ class OffloadEngine(EngineEntries, EngineIterations, EngineReadouts, EngineSetti
         self.max_offload_bytes_per_layer = dict(caps) if isinstance(caps, Mapping) else caps
         self.selection: ModuleSelection | None = None  # see offload_modules()
         self.streams = Streams(device, offload_stream)
-        self.pool = HostBufferPool(
-            pin_memory=device.type == "cuda", retain=retain_pinned_cpu_buffers, limit_bytes=host_memory_limit
-        )
+        self.pool = HostBufferPool(pin_memory=device.type == "cuda", retain=retain_pinned_cpu_buffers,
+                                   limit_bytes=host_memory_limit)
         self.record_memory = False
         self._ref = weakref.ref(self)  # what each saved view holds (a graph keeps the engine through its hooks)
         self._lock = threading.RLock()  # views die and backward hooks run on autograd's threads
@@ -489,22 +494,6 @@ class OffloadEngine(EngineEntries, EngineIterations, EngineReadouts, EngineSetti
                 raise
         self.events.append(("reload_start", layer))
 
-    def _run_actions(self, phase: str, layer: int) -> bool:
-        """What the schedule asks for when ``phase`` of ``layer`` starts. Returns whether the compute
-        stream was made to wait: a release that drops memory waits for its copies out; a reload makes
-        the backward wait only when it unpacks, inside the phase."""
-        waited = False
-        for action, i in self.schedule.actions(phase, layer):
-            why = f"the {action} came at the {phase} of layer {layer}"
-            target = LayerState.RELEASED if action == "release" else LayerState.RELOADING
-            if not self.schedule.strict and self.layer_state[i] not in ALLOWED_FROM[target]:
-                continue  # the step did not run as many layers as the schedule counts: warned at backward
-            if action == "release":
-                waited = self._release(i, why) or waited
-            else:
-                self._reload_layer(i, why)
-        return waited
-
     # ------------------------------------------------------------------ autograd hooks
     @_disabled_for_dynamo  # autograd calls the hooks from compiled code too: they must run as written
     def _pack(self, t: torch.Tensor) -> _Kept | _SavedView:
@@ -595,6 +584,6 @@ class OffloadEngine(EngineEntries, EngineIterations, EngineReadouts, EngineSetti
                 self.live_views -= 1
                 self._graph_dropped = self._graph_dropped or not used
             if rec.views == 0 and not rec.aborted:
-                if rec.device is not None and rec.host is not None and rec.iteration == self.iteration:
-                    self.resident_bytes -= rec.nbytes
+                if rec.device is not None and rec.queued == rec.nbytes and rec.iteration == self.iteration:
+                    self.resident_bytes -= rec.nbytes  # counted once all of it was queued
                 rec.free(self.capturing())

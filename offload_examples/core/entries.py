@@ -33,7 +33,7 @@ import torch
 
 from . import te_path
 from .errors import hooks_refused_error, nested_error, timing_in_capture_error
-from .layer_state import LayerState
+from .layer_state import ALLOWED_FROM, LayerState
 from .policy import outer_hooks
 
 #: Per-layer graphs copy a storage in pieces no smaller than this (but for its last one), so that each
@@ -224,6 +224,22 @@ class EngineEntries:
             self.resident_trace.append(("forward", j, self.resident_bytes + self._waiting_bytes()))
             self._entered += 1
 
+    def _run_actions(self, phase: str, layer: int) -> bool:
+        """What the schedule asks for when ``phase`` of ``layer`` starts. Returns whether the compute
+        stream was made to wait: a release that drops memory waits for its copies out; a reload makes
+        the backward wait only when it unpacks, inside the phase."""
+        waited = False
+        for action, i in self.schedule.actions(phase, layer):
+            why = f"the {action} came at the {phase} of layer {layer}"
+            target = LayerState.RELEASED if action == "release" else LayerState.RELOADING
+            if not self.schedule.strict and self.layer_state[i] not in ALLOWED_FROM[target]:
+                continue  # the step did not run as many layers as the schedule counts: warned at backward
+            if action == "release":
+                waited = self._release(i, why) or waited
+            else:
+                self._reload_layer(i, why)
+        return waited
+
     def _release_entry(self, layer: int) -> int:
         """The entry whose forward releases ``layer``: its copies must be queued by then (the last entry
         where none does)."""
@@ -276,6 +292,7 @@ class EngineEntries:
                 self._warn_once("resized", f"a storage saved in layer {layer} was resized before its copy to the "
                                            "host ended (resize_): it stays on the device")
                 rec.detach_host()
+                self.stats[layer].candidate_bytes -= rec.nbytes  # as for one resized before its copy began
         return [r for r in half if r.host is not None and r.device is not None]
 
     def _start_deferred_reloads(self, entry: int) -> None:
