@@ -166,7 +166,7 @@ class _StorageRecord:
     def copy_piece(self, host: HostBuffer, stop: int) -> bool:
         """Per-layer graphs: queue the copy of bytes ``[queued, stop)`` into ``host`` in the graph being
         captured, which joins it at its exit. The buffer is attached at the first piece; the release
-        comes after the last (entries.py); a storage left half copied stays (:meth:`detach_host`)."""
+        comes after the last (entries.py); a storage left half copied stays (``detach_host``)."""
         s = self.streams
         try:
             self.offloaded = s.copy(host.data[self.queued:stop], self.device[self.queued:stop], on=s.d2h,
