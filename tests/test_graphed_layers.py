@@ -243,19 +243,26 @@ def test_a_storage_half_copied_when_a_step_begins_again_stays_on_the_device(monk
     assert ctx.pool.held_bytes == ctx.pool.free_bytes + ctx.pool.graph_bytes  # every buffer came back
 
 
+def _in_pieces(monkeypatch):
+    """Eight layers, the first offloaded, a context warmed up eagerly and then told that captures hold
+    single layers (the capture flag forced on), copying storages in pieces of 256 bytes."""
+    from offload_examples.core import entries
+
+    monkeypatch.setattr(entries, "MIN_PIECE_BYTES", 256)
+    layers = _tanh_stack(8)
+    x = torch.randn(64, 64, requires_grad=True)
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=8, retain_pinned_cpu_buffers=True)
+    _step(layers, x, ctx, sync)
+    ctx.set_capture_scope("layer")
+    monkeypatch.setattr(type(ctx), "capturing", lambda self: True)
+    return layers, x, ctx, sync
+
+
 def test_a_step_cut_short_with_a_storage_half_copied_counts_no_bytes_twice(monkeypatch):
     """A step that enters 4 of 8 layers and then runs its backward, while a storage of layer 0 is half
     copied: it counts as resident only once all of it is queued, so nothing is taken off twice when its
     views die, and the count ends at zero."""
-    from offload_examples.core import entries
-
-    monkeypatch.setattr(entries, "MIN_PIECE_BYTES", 256)
-    n, layers = 8, _tanh_stack(8)
-    x = torch.randn(64, 64, requires_grad=True)
-    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=n, retain_pinned_cpu_buffers=True)
-    _step(layers, x, ctx, sync)
-    ctx.set_capture_scope("layer")
-    monkeypatch.setattr(type(ctx), "capturing", lambda self: True)
+    layers, x, ctx, sync = _in_pieces(monkeypatch)
     h = x
     for layer in layers[:4]:
         with ctx:
@@ -276,16 +283,9 @@ def test_a_step_cut_short_with_a_storage_half_copied_counts_no_bytes_twice(monke
 def test_a_first_piece_that_fails_gives_its_buffer_back(monkeypatch):
     """The first piece of a storage's copy fails (a capture refusing it, say): the step fails, and the
     buffer it took from the pool goes back, though no storage held it yet."""
-    from offload_examples.core import entries
     from offload_examples.core.streams import Streams as S
 
-    monkeypatch.setattr(entries, "MIN_PIECE_BYTES", 256)
-    n, layers = 8, _tanh_stack(8)
-    x = torch.randn(64, 64, requires_grad=True)
-    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=n, retain_pinned_cpu_buffers=True)
-    _step(layers, x, ctx, sync)
-    ctx.set_capture_scope("layer")
-    monkeypatch.setattr(type(ctx), "capturing", lambda self: True)
+    layers, x, ctx, sync = _in_pieces(monkeypatch)
     copy = S.copy
 
     def failing(self, dst, src, **kw):

@@ -130,20 +130,11 @@ def test_the_loops_to_copy_train_on_two_cpu_ranks(name):
 
 
 @pytest.mark.gpu
-def test_the_cuda_graph_loop_trains(cuda):
+@pytest.mark.parametrize("loop", ["train", "train_per_layer"])
+def test_the_cuda_graph_loops_train(cuda, loop):
     from offload_examples.scenarios import cuda_graphs
 
     layers = build_basic_model(3, 64, 4, 256, kind="torch", device=cuda)
     before = _weights(layers)
-    cuda_graphs.train(layers, [torch.randn(2, 16, 64, device=cuda) for _ in range(3)], offload=1)
-    assert all(not torch.equal(a, b) for a, b in zip(before, layers.parameters()))
-
-
-@pytest.mark.gpu
-def test_the_per_layer_graph_loop_trains(cuda):
-    from offload_examples.scenarios import cuda_graphs
-
-    layers = build_basic_model(3, 64, 4, 256, kind="torch", device=cuda)
-    before = _weights(layers)
-    cuda_graphs.train_per_layer(layers, [torch.randn(2, 16, 64, device=cuda) for _ in range(3)], offload=1)
+    getattr(cuda_graphs, loop)(layers, [torch.randn(2, 16, 64, device=cuda) for _ in range(3)], offload=1)
     assert all(not torch.equal(a, b) for a, b in zip(before, layers.parameters()))
