@@ -73,6 +73,8 @@ def test_bench_tiny_end_to_end(tmp_path):
         assert engine["pinned_allocations"] > 0
         assert model["layer_kind"] == TORCH_LAYER  # the tiny grid's models are plain PyTorch
     assert results["models"][0]["timelines"]["engine k=2"], "the first model keeps a timeline"
+    for model in results["models"]:  # the graphed column needs CUDA, and says so
+        assert model["graphed"] == [{"k": 2, "status": "skipped", "reason": "CUDA graphs need CUDA"}]
     _check_outputs(results, tmp_path)
 
 
@@ -568,6 +570,9 @@ def test_bench_short_gpu_run(tmp_path):
     assert engine["saving_ratio"] >= (0.97 if model["layer_kind"] == TE_LAYER else 0.99)
     assert engine["bound_ms"] > 0 and engine["d2h_gb_per_s"] > 0 and engine["h2d_gb_per_s"] > 0
     assert runs["checkpoint"]["saving_bytes"] > 0
+    graphed, = model["graphed"]  # per-layer graphs with the engine against without, and on TE's layers TE
+    assert graphed["status"] == "ok" and graphed["bound_ms"] > 0 and graphed["per_layer_pairs"] >= 3, graphed
+    assert ("whole_step_vs_te" in graphed) == (model["layer_kind"] == TE_LAYER), graphed
     curves = results["models"][0]["memory_curves"]
     assert max(curves["no offload"]["allocated"]) > max(curves["engine k=2"]["allocated"])
     _check_outputs(results, tmp_path)
@@ -768,3 +773,19 @@ def test_balanced_orders_let_every_run_follow_every_other_equally_often():
         assert len(follows) == n * (n - 1) and len(set(follows.values())) <= 1, (n, follows)
         places = Counter((v, i) for r in rows for i, v in enumerate(r))
         assert len(set(places.values())) == 1, (n, places)
+
+
+def test_the_graphed_column_reads_as_one_sentence_per_k():
+    """The report's note on the engine inside CUDA graphs: per-layer graphs with and without it, the
+    copy bound, and the whole step captured against Transformer Engine's offload."""
+    from offload_examples.instruments.bench.tables import _graphed_note
+
+    ok = {"k": 2, "status": "ok", "per_layer_ms": 155.5, "per_layer_offload_ms": 154.4, "per_layer_overhead": -0.006,
+          "per_layer_quartiles": [-0.009, -0.002], "per_layer_pairs": 40, "bound_ms": 155.7, "over_reference": -0.008,
+          "whole_step_ms": 139.0, "te_whole_step_ms": 140.8, "whole_step_vs_te": -0.013,
+          "whole_step_quartiles": [-0.02, -0.01]}
+    note, = _graphed_note([ok, {"k": 4, "status": "failed", "reason": "RuntimeError: no"}])
+    assert "k = 2: per-layer graphs 155.5 ms without offloading, 154.4 ms with, -0.6% (median of 40 pairs" in note
+    assert "copy bound 155.7 ms, the step with offloading -0.8% against the larger of the two" in note
+    assert "engine 139.0 ms, TE's offload 140.8 ms, engine / TE -1.3% (quartiles -2.0% .. -1.0%)" in note
+    assert note.endswith("k = 4: failed (RuntimeError: no).")

@@ -75,3 +75,17 @@ def _free(*engines: Any, run: str = "", k: int = 0) -> None:
             raise
         if run:
             raise DeviceLost(run, k, f"{_reason(err)}, reported when its memory was freed") from err
+
+
+def _failed(device: torch.device, run: str, k: int, err: Exception) -> dict[str, Any]:
+    """The report of ``run`` at ``k`` that raised ``err``; raises :class:`DeviceLost` instead when the
+    device is no longer usable (the model then runs again in a fresh process without ``run``)."""
+    _raise_if_lost(device, run, k, err)
+    return {"k": k, "status": "failed", "reason": _reason(err)}
+
+
+def _tidy(model: torch.nn.Module, x: torch.Tensor, *engines: Any, run: str, k: int) -> None:
+    """After ``run``: no gradient left in the model or the input, ``engines``' buffers and the caches back."""
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    _free(*engines, run=run, k=k)

@@ -20,6 +20,7 @@ from offload_examples.core import te_path
 from offload_examples.features.planner import LinkCost
 from offload_examples.instruments.bench import planner_bench, strategies
 from offload_examples.instruments.bench.faults import _free, _raise_if_lost, _reason
+from offload_examples.instruments.bench.graphed import GRAPHED_RUN, graphed_run
 from offload_examples.instruments.bench.grid import MODELS, BenchConfig
 from offload_examples.instruments.bench.planner_bench import (
     PLAN_PAIRS_RUN, PLANNER_BUDGETS, PlannerSetup, _pair_plans_with_rivals, _planner_budgets, _run_planner,
@@ -194,6 +195,12 @@ def _bench_model_on_path(name: str, config: BenchConfig, device: torch.device, l
             h2h = ({"k": k, "status": "skipped", "reason": left_out[HEAD_TO_HEAD_RUN]} if HEAD_TO_HEAD_RUN in left_out
                    else _head_to_head(model, x, k, device, steps_h2h))
             out.setdefault("head_to_head", []).append(h2h)
+        if k in (2, 4):  # the graphed column: the engine where no host work paces the step
+            bar.show(f"model {name}, k={k}: {GRAPHED_RUN}")
+            steps_g = dict(steps, steps=max(config.steps, config.target_steps)) if name == "A" else steps
+            out.setdefault("graphed", []).append(
+                {"k": k, "status": "skipped", "reason": left_out[GRAPHED_RUN]} if GRAPHED_RUN in left_out
+                else graphed_run(model, x, k, device, kind, steps_g, link))
     if "planner" in config.strategies:  # every pure run has run: each plan meets its best rival
         if PLAN_PAIRS_RUN not in left_out:  # else the checks fall back on the separate overheads
             _pair_plans_with_rivals(out["runs"], model, x, device, steps, bar)

@@ -21,7 +21,7 @@ from torch import nn
 
 from offload_examples.features.planner import Plan
 from offload_examples.instruments.bench import faults, strategies
-from offload_examples.instruments.bench.faults import _free, _raise_if_lost, _reason
+from offload_examples.instruments.bench.faults import _failed, _reason, _tidy
 from offload_examples.instruments.bench.strategies import Forward, available
 from offload_examples.instruments.measure import (
     compare_grads, deterministic_kernels, measure_paired, measure_steps, paired_overhead, resident_vs_theory,
@@ -72,12 +72,9 @@ def _run_strategy(strategy: str, model: nn.ModuleList, x: torch.Tensor, k: int, 
         result["grads"] = _grads_check(model, x, reference, step, device, kind, inputs)
         return result
     except Exception as err:  # one failing strategy must not end the benchmark; its memory is freed below
-        _raise_if_lost(device, strategy, k, err)
-        return {"strategy": strategy, "k": k, "status": "failed", "reason": _reason(err)}
+        return {"strategy": strategy, **_failed(device, strategy, k, err)}
     finally:
-        model.zero_grad(set_to_none=True)
-        x.grad = None
-        _free(engine, run=strategy, k=k)
+        _tidy(model, x, engine, run=strategy, k=k)
 
 
 def _result(strategy: str, k: int, m, base, theory: int | None) -> dict[str, Any]:
@@ -127,12 +124,9 @@ def _head_to_head(model: nn.ModuleList, x: torch.Tensor, k: int, device: torch.d
         return {"k": k, "status": "ok", "pairs": a["pairs"], "engine_vs_te": a["ratio"], "quartiles": a["quartiles"],
                 "engine_ms": a["candidate_ms"], "te_ms": a["reference_ms"]}
     except Exception as err:  # reported in the targets; the benchmark goes on
-        _raise_if_lost(device, HEAD_TO_HEAD_RUN, k, err)
-        return {"k": k, "status": "failed", "reason": _reason(err)}
+        return _failed(device, HEAD_TO_HEAD_RUN, k, err)
     finally:
-        model.zero_grad(set_to_none=True)
-        x.grad = None
-        _free(engine, run=HEAD_TO_HEAD_RUN, k=k)
+        _tidy(model, x, engine, run=HEAD_TO_HEAD_RUN, k=k)
 
 
 def _host_copies(model: nn.ModuleList, x: torch.Tensor) -> list[torch.Tensor]:

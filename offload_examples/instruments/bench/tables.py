@@ -64,20 +64,20 @@ def _ok_run(runs: Sequence[dict[str, Any]], strategy: str) -> dict[str, Any] | N
     return next((r for r in runs if r["strategy"] == strategy and r["status"] == "ok"), None)
 
 
+def _note(runs: Sequence[dict[str, Any]], lead: str, render: Callable[[dict[str, Any]], str]) -> list[str]:
+    """One sentence: ``lead``, then each ``k``'s run as ``render`` says it (or why it did not run)."""
+    said = [render(r) if r["status"] == "ok" else f"k = {r['k']}: {r['status']} ({r['reason']})" for r in runs]
+    return [lead + "; ".join(said) + "."] if said else []
+
+
 def _head_to_head_note(runs: Sequence[dict[str, Any]]) -> list[str]:
     """One sentence on the engine's and Transformer Engine's steps measured alternately."""
-    said = []
-    for h in runs:
-        if h["status"] != "ok":
-            said.append(f"k = {h['k']}: failed ({h['reason']})")
-            continue
+    def render(h: dict[str, Any]) -> str:
         q1, q3 = h["quartiles"]
-        said.append(f"k = {h['k']}: engine {h['engine_ms']:.1f} ms, TE {h['te_ms']:.1f} ms; engine / TE "
-                    f"{h['engine_vs_te']:+.1%} (median of {h['pairs']} pairs, quartiles {q1:+.1%} .. {q3:+.1%})")
-    if not said:
-        return []
-    return ["The engine and Transformer Engine's offload, alternating step by step (the most direct "
-            "comparison of the two): " + "; ".join(said) + "."]
+        return (f"k = {h['k']}: engine {h['engine_ms']:.1f} ms, TE {h['te_ms']:.1f} ms; engine / TE "
+                f"{h['engine_vs_te']:+.1%} (median of {h['pairs']} pairs, quartiles {q1:+.1%} .. {q3:+.1%})")
+    return _note(runs, "The engine and Transformer Engine's offload, alternating step by step (the most direct "
+                       "comparison of the two): ", render)
 
 
 def _gib(n: int | None) -> str:
@@ -143,6 +143,26 @@ def model_table(model: dict[str, Any], columns: Sequence[str] = tuple(COLUMNS),
     return format_markdown_table(rows, columns)
 
 
+def _graphed_note(runs: Sequence[dict[str, Any]]) -> list[str]:
+    """Sentences on the engine inside CUDA graphs: per-layer graphs with it against without, the copy
+    bound, and (Transformer Engine's layers) the whole step captured with it against with TE's offload."""
+    def render(g: dict[str, Any]) -> str:
+        q1, q3 = g["per_layer_quartiles"]
+        text = (f"k = {g['k']}: per-layer graphs {g['per_layer_ms']:.1f} ms without offloading, "
+                f"{g['per_layer_offload_ms']:.1f} ms with, {g['per_layer_overhead']:+.1%} (median of "
+                f"{g['per_layer_pairs']} pairs, quartiles {q1:+.1%} .. {q3:+.1%})")
+        if g["bound_ms"] is not None:
+            text += (f"; copy bound {g['bound_ms']:.1f} ms, the step with offloading {g['over_reference']:+.1%} "
+                     "against the larger of the two")
+        if "whole_step_vs_te" in g:
+            w1, w3 = g["whole_step_quartiles"]
+            text += (f"; the whole step captured, engine {g['whole_step_ms']:.1f} ms, TE's offload "
+                     f"{g['te_whole_step_ms']:.1f} ms, engine / TE {g['whole_step_vs_te']:+.1%} (quartiles "
+                     f"{w1:+.1%} .. {w3:+.1%})")
+        return text
+    return _note(runs, "The engine inside CUDA graphs, alternating step by step: ", render)
+
+
 def markdown(results: dict[str, Any]) -> str:
     """The results as Markdown: the link, one table per model, the targets."""
     link = results["link_gb_per_s"]
@@ -169,6 +189,7 @@ def markdown(results: dict[str, Any]) -> str:
         parts.append(model_table(m))
         parts += _te_path_note(m["runs"])
         parts += _head_to_head_note(m.get("head_to_head", ()))
+        parts += _graphed_note(m.get("graphed", ()))
     if results.get("targets"):
         rows = [[t["target"], "n/a" if t["value"] is None else f"{t['value']:.3f}", f"{t['limit']:.3g}",
                  "met" if t["met"] else "**missed**", t["detail"]] for t in results["targets"]]

@@ -1,0 +1,90 @@
+"""The engine inside CUDA graphs: the benchmark's graphed column.
+
+On a launch-bound model the host paces the eager step, and the engine's hooks add host work to it.
+Graphs take that work away, so what offloading costs inside them is what its copies cost. At a given
+``k`` the benchmark measures, alternating step by step as everywhere else:
+
+- per-layer graphs (:func:`~offload_examples.features.graphs.make_graphed_layers`, each layer's
+  forward and backward captured in graphs of their own, as Megatron-LM captures them) with the
+  engine against the same graphs without it, and the copy bound of the graphs' compute (the
+  schedule's copies at the link's speed beside it);
+- on Transformer Engine's layers, the whole step captured with the engine against the whole step
+  captured with Transformer Engine's offload, the way TE documents its offloading under CUDA graphs
+  (its context cannot run in per-layer graphs).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import torch
+from torch import nn
+
+from offload_examples import get_cpu_offload_context
+from offload_examples.features.graphs import capture_step, make_graphed_layers
+from offload_examples.instruments.bench.faults import _failed, _free, _tidy
+from offload_examples.instruments.bench.protocol import _alternating, _quartiles
+from offload_examples.instruments.bench.strategies import _through
+from offload_examples.instruments.graph_variants import graphed_layer_ms
+from offload_examples.instruments.measure import measure_paired, training_step
+from offload_examples.instruments.models import TE_LAYER
+
+__all__ = ["GRAPHED_RUN", "graphed_run"]
+
+#: The name under which the graphed runs are reported, and left out after one left the device unusable.
+GRAPHED_RUN = "the engine inside CUDA graphs"
+
+
+def graphed_run(model: nn.ModuleList, x: torch.Tensor, k: int, device: torch.device, kind: str, steps: dict,
+                link: dict | None) -> dict[str, Any]:
+    """The graphed column at ``k``: per-layer graphs with the engine against without (and the copy bound),
+    and on Transformer Engine's layers the whole step captured with the engine against with TE's offload."""
+    if device.type != "cuda":
+        return {"k": k, "status": "skipped", "reason": "CUDA graphs need CUDA"}
+    try:
+        out = {"k": k, "status": "ok", **_per_layer(model, x, k, device, kind, steps, link)}
+        _free(run=GRAPHED_RUN, k=k)  # the per-layer graphs' pools, before the whole-step graphs take theirs
+        if kind == TE_LAYER:
+            out.update(_whole_step_against_te(model, x, k, device, steps))
+        return out
+    except Exception as err:  # reported in its note; the benchmark goes on
+        return _failed(device, GRAPHED_RUN, k, err)
+    finally:
+        _tidy(model, x, run=GRAPHED_RUN, k=k)  # the graphs and their pools went with the frames above
+
+
+def _per_layer(model: nn.ModuleList, x: torch.Tensor, k: int, device: torch.device, kind: str, steps: dict,
+               link: dict | None) -> dict[str, Any]:
+    backend = "te" if kind == TE_LAYER else "torch"
+    plain = make_graphed_layers(list(model), x, *get_cpu_offload_context(enabled=False), backend=backend)
+    forward_ms, backward_ms = graphed_layer_ms(plain, x)  # the compute the copies hide behind
+    engine, sync = get_cpu_offload_context(enabled=True, num_layers=k, model_layers=len(model), device=device,
+                                           retain_pinned_cpu_buffers=True)  # the graphs keep the warm-up's buffers
+    graphed = make_graphed_layers(list(model), x, engine, sync, backend=backend)
+    a = _alternating(model, x, lambda h: _through(plain, h), lambda h: _through(graphed, h), "per-layer graphs",
+                     steps)
+    bound = None
+    if link:
+        moved = [stats.offloaded_bytes for stats in engine.stats]
+        bound = engine.schedule.predict_step_ms(forward_ms, backward_ms, moved, link["d2h"], link["h2d"])
+    return {"per_layer_overhead": a["ratio"], "per_layer_quartiles": a["quartiles"], "per_layer_pairs": a["pairs"],
+            "per_layer_ms": a["reference_ms"], "per_layer_offload_ms": a["candidate_ms"], "bound_ms": bound,
+            "over_reference": a["candidate_ms"] / max(a["reference_ms"], bound or 0.0) - 1}
+
+
+def _whole_step_against_te(model: nn.ModuleList, x: torch.Tensor, k: int, device: torch.device, steps: dict
+                           ) -> dict[str, Any]:
+    import transformer_engine.pytorch as te
+
+    n = len(model)
+    engine, sync = get_cpu_offload_context(enabled=True, num_layers=k, model_layers=n, device=device,
+                                           retain_pinned_cpu_buffers=True)
+    ours = capture_step(lambda h: training_step(model, h, engine, sync), x, model.parameters())
+    te_ctx, te_sync = te.get_cpu_offload_context(True, k, n, True, False, retain_pinned_cpu_buffers=True)
+    theirs = capture_step(lambda h: training_step(model, h, te_ctx, te_sync), x, model.parameters())
+    measured, te_ms = measure_paired(model, x, theirs.replay, ours.replay, label="whole step", **steps)
+    pairs = sorted(t / r - 1 for t, r in zip(measured.step_ms, te_ms))
+    return {"whole_step_vs_te": statistics.median(pairs), "whole_step_quartiles": _quartiles(pairs),
+            "whole_step_pairs": len(pairs), "whole_step_ms": measured.median_ms,
+            "te_whole_step_ms": statistics.median(te_ms)}
