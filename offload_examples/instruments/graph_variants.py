@@ -23,9 +23,10 @@ from offload_examples.instruments.measure import (
 )
 from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table
 
-__all__ = ["OFFLOAD", "TE_OFFLOAD", "TE_VARIANTS", "VARIANTS", "check_replays", "format_report", "graph_safe_checks",
-           "graphed_layer_ms", "memory_row", "per_layer_step", "pool_growth", "replaying", "summarize_checks",
-           "te_offload_variants", "time_in_turns", "warm_capture_stream"]
+__all__ = ["OFFLOAD", "TE_OFFLOAD", "TE_VARIANTS", "VARIANTS", "capture_training_step", "check_replays", "format_report",
+           "graph_safe_checks", "graphed_copy_bound_ms", "graphed_layer_ms", "memory_row", "per_layer_step",
+           "pool_growth", "replaying", "summarize_checks", "te_graph_context", "te_offload_variants", "time_in_turns",
+           "warm_capture_stream"]
 
 #: What an offloading variant's name ends with; the rest of the name is its variant without offloading.
 OFFLOAD = " + offload"
@@ -187,6 +188,30 @@ def graphed_layer_ms(graphed: Sequence[Callable[[torch.Tensor], torch.Tensor]], 
         [statistics.median(t[1][i] for t in times) for i in range(n)]
 
 
+def capture_training_step(model: torch.nn.ModuleList, x: torch.Tensor, ctx: Any = None, sync: Callable | None = None,
+                          warmup: int = 3) -> CapturedStep:
+    """The whole training step through ``ctx`` and ``sync`` (none: without offloading) captured in one
+    CUDA graph (:func:`~offload_examples.features.graphs.capture_step`), from an input like ``x``."""
+    return capture_step(lambda xi: training_step(model, xi, ctx, sync), x, model.parameters(), warmup=warmup)
+
+
+def te_graph_context(k: int, n: int) -> tuple[Any, Callable]:
+    """Transformer Engine's offload context for a captured step: ``k`` of ``n`` layers, its host buffers
+    kept (a graph replays the buffers of its capture)."""
+    import transformer_engine.pytorch as te
+
+    return te.get_cpu_offload_context(True, k, n, True, False, retain_pinned_cpu_buffers=True)
+
+
+def graphed_copy_bound_ms(engine: Any, forward_ms: Sequence[float], backward_ms: Sequence[float],
+                          link: Mapping[str, float]) -> float:
+    """The copy bound of what ``engine`` moved in its last step, beside graphs' compute: the shortest step its
+    schedule allows with the copies at the link's speed
+    (:meth:`~offload_examples.DefaultSchedule.predict_step_ms`)."""
+    moved = [stats.offloaded_bytes for stats in engine.stats]
+    return engine.schedule.predict_step_ms(forward_ms, backward_ms, moved, link["d2h"], link["h2d"])
+
+
 def te_offload_variants(model: torch.nn.ModuleList, inputs: Sequence[torch.Tensor], refs: Sequence[Measurement],
                         k: int, warmup: int, rows: Mapping[str, dict[str, Any]]
                         ) -> tuple[dict[str, dict[str, Any]], dict[str, Run], dict[str, GradCheck]]:
@@ -201,10 +226,7 @@ def te_offload_variants(model: torch.nn.ModuleList, inputs: Sequence[torch.Tenso
     eager = measure_steps(model, x, ctx, sync, steps=2, warmup=1)
     checks = {"eager + TE offload": check_replays(refs, inputs, lambda xi: measure_steps(
         model, xi.clone().requires_grad_(), ctx, sync, steps=1, warmup=0))}
-    # a graph replays the host buffers of its capture: they must stay
-    graph_ctx, graph_sync = te.get_cpu_offload_context(True, k, n, True, False, retain_pinned_cpu_buffers=True)
-    captured = capture_step(lambda xi: training_step(model, xi, graph_ctx, graph_sync), x, model.parameters(),
-                            warmup=warmup)
+    captured = capture_training_step(model, x, *te_graph_context(k, n), warmup=warmup)
     checks["graphed + TE offload"] = check_replays(
         refs, inputs, lambda xi: snapshot(model, captured.static_input, captured.replay(xi)))
     te_rows = {"eager + TE offload": memory_row(eager.peak_bytes, rows["eager"]["peak_bytes"]),

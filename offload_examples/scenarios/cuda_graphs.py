@@ -36,8 +36,9 @@ from offload_examples.features.graphs import capture_step, make_graphed_layers
 from offload_examples.instruments.cli import Need
 from offload_examples.instruments.bandwidth import link_bandwidth
 from offload_examples.instruments.graph_variants import (
-    VARIANTS, check_replays, format_report, graph_safe_checks, graphed_layer_ms, memory_row, per_layer_step,
-    pool_growth, replaying, summarize_checks, te_offload_variants, time_in_turns, warm_capture_stream,
+    VARIANTS, capture_training_step, check_replays, format_report, graph_safe_checks, graphed_copy_bound_ms,
+    graphed_layer_ms, memory_row, per_layer_step, pool_growth, replaying, summarize_checks, te_offload_variants,
+    time_in_turns, warm_capture_stream,
 )
 from offload_examples.instruments.measure import (
     GradCheck, Run, deterministic_kernels, measure_steps, resident_vs_theory, snapshot, training_step,
@@ -186,8 +187,7 @@ def _graphed(report, config, model, inputs, refs, offload, runs, say) -> dict[st
     """Capture the whole step without and with offloading, each one's peak taken alone; check their
     replays; add them to ``runs``."""
     def capture(ctx=None, sync=None):
-        return capture_step(lambda x: training_step(model, x, ctx, sync), inputs[0].clone().requires_grad_(),
-                            model.parameters(), warmup=config.warmup)
+        return capture_training_step(model, inputs[0].clone().requires_grad_(), ctx, sync, warmup=config.warmup)
 
     rows = report["rows"]
     say("  capturing the step without offloading")
@@ -229,10 +229,8 @@ def _per_layer(report, config, model, inputs, refs, runs: dict[str, Run], say) -
         if ctx is not offload[0]:  # the layers' compute, which the copies hide behind
             layer_ms = graphed_layer_ms(graphed, x)
     theory = offload[0].theoretical().saving  # what the engine did during the capture: every replay repeats it
-    moved = [stats.offloaded_bytes for stats in offload[0].stats]
     report["link_gb_per_s"] = link_bandwidth()
-    report["copy_bound_ms"] = offload[0].schedule.predict_step_ms(*layer_ms, moved, report["link_gb_per_s"]["d2h"],
-                                                                  report["link_gb_per_s"]["h2d"])
+    report["copy_bound_ms"] = graphed_copy_bound_ms(offload[0], *layer_ms, report["link_gb_per_s"])
     plain, offloaded = pools["per-layer graphs"], pools["per-layer graphs + offload"]
     report["rows"].update({"per-layer graphs": memory_row(plain, key="pool_bytes"),
                            "per-layer graphs + offload": memory_row(offloaded, plain, theory, key="pool_bytes")})

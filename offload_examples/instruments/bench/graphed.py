@@ -22,12 +22,14 @@ import torch
 from torch import nn
 
 from offload_examples import get_cpu_offload_context
-from offload_examples.features.graphs import capture_step, make_graphed_layers
+from offload_examples.features.graphs import make_graphed_layers
 from offload_examples.instruments.bench.faults import _failed, _free, _tidy
 from offload_examples.instruments.bench.protocol import _alternating, _quartiles
 from offload_examples.instruments.bench.strategies import _through
-from offload_examples.instruments.graph_variants import graphed_layer_ms
-from offload_examples.instruments.measure import measure_paired, training_step
+from offload_examples.instruments.graph_variants import (
+    capture_training_step, graphed_copy_bound_ms, graphed_layer_ms, te_graph_context,
+)
+from offload_examples.instruments.measure import measure_paired
 from offload_examples.instruments.models import TE_LAYER
 
 __all__ = ["GRAPHED_RUN", "graphed_run"]
@@ -64,10 +66,7 @@ def _per_layer(model: nn.ModuleList, x: torch.Tensor, k: int, device: torch.devi
     graphed = make_graphed_layers(list(model), x, engine, sync, backend=backend)
     a = _alternating(model, x, lambda h: _through(plain, h), lambda h: _through(graphed, h), "per-layer graphs",
                      steps)
-    bound = None
-    if link:
-        moved = [stats.offloaded_bytes for stats in engine.stats]
-        bound = engine.schedule.predict_step_ms(forward_ms, backward_ms, moved, link["d2h"], link["h2d"])
+    bound = graphed_copy_bound_ms(engine, forward_ms, backward_ms, link) if link else None
     return {"per_layer_overhead": a["ratio"], "per_layer_quartiles": a["quartiles"], "per_layer_pairs": a["pairs"],
             "per_layer_ms": a["reference_ms"], "per_layer_offload_ms": a["candidate_ms"], "bound_ms": bound,
             "over_reference": a["candidate_ms"] / max(a["reference_ms"], bound or 0.0) - 1}
@@ -75,14 +74,11 @@ def _per_layer(model: nn.ModuleList, x: torch.Tensor, k: int, device: torch.devi
 
 def _whole_step_against_te(model: nn.ModuleList, x: torch.Tensor, k: int, device: torch.device, steps: dict
                            ) -> dict[str, Any]:
-    import transformer_engine.pytorch as te
-
     n = len(model)
     engine, sync = get_cpu_offload_context(enabled=True, num_layers=k, model_layers=n, device=device,
                                            retain_pinned_cpu_buffers=True)
-    ours = capture_step(lambda h: training_step(model, h, engine, sync), x, model.parameters())
-    te_ctx, te_sync = te.get_cpu_offload_context(True, k, n, True, False, retain_pinned_cpu_buffers=True)
-    theirs = capture_step(lambda h: training_step(model, h, te_ctx, te_sync), x, model.parameters())
+    ours = capture_training_step(model, x, engine, sync)
+    theirs = capture_training_step(model, x, *te_graph_context(k, n))
     measured, te_ms = measure_paired(model, x, theirs.replay, ours.replay, label="whole step", **steps)
     pairs = sorted(t / r - 1 for t, r in zip(measured.step_ms, te_ms))
     return {"whole_step_vs_te": statistics.median(pairs), "whole_step_quartiles": _quartiles(pairs),
