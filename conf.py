@@ -52,14 +52,14 @@ stored_sources = {
     # torchtune's gradients against a plain step, with and without deterministic kernels
     "torchtune-grads": "docs/evidence/h200-bench/torchtune_probe.txt",
     "torchtune-grads-det": "docs/evidence/h200-bench/torchtune_probe_deterministic.txt",
-    # the planner against pure offloading and pure recomputation, three models of 12 layers, one H100
+    # the planner against pure offloading and pure recomputation, two models of 12 layers, one H200
     "planner-bench": "docs/evidence/h200-planner-bench/bench.json",
     # where the host time goes on Transformer Engine's launch-bound layers (model A, one H100)
     "te-forward": "docs/evidence/h100-te-host-time/diag25.json#summary",  # a step's forward, variant by variant
     "te-forward-layers": "docs/evidence/h100-te-host-time/diag25_layers.json",  # the same, layer by layer
     "te-gc": "docs/evidence/h100-te-host-time/diag28.json",  # Python's garbage collector over 150 steps
     "reload-order": "docs/evidence/h100-te-host-time/diag23.json#results",  # early_first_reload, 12 layers
-    # the GPU test suite on one H100, with and without Transformer Engine (docs/reliability.md)
+    # the GPU test suite on one H200, with and without Transformer Engine (docs/reliability.md)
     "basic-h200": "docs/evidence/h200-gpu-tests/basic_te.json",  # the basic scenario in the H200's GPU suite
     # two H200s of one host, NCCL: the two-stage pipeline, FSDP2 on two ranks, the two-GPU tests
     "pipeline-2gpu": "docs/evidence/2xh200-nccl/pipeline_dist_nccl.json",
