@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import io
 import json
@@ -540,6 +542,16 @@ def test_measurement_progress_is_short_unless_steps_are_slow():
         report.step(i, ms, [4.0, 3.0, 2.0][:max(0, i)])
     assert lines == ["  [slow] warm-up: 1 step, the last 5.0 ms", "  [slow] step 2/4: 4.0 ms",
                      "  [slow] step 3/4: 3.0 ms", "  [slow] 3 steps, median 3.0 ms (min 2.0, max 4.0)"]
+
+
+def test_the_graphed_column_can_be_left_out():
+    """``graphed=False`` leaves the engine inside CUDA graphs out (a run that asserts nothing about it saves
+    its captures on a GPU); by default a ``k`` of 2 or 4 has it, skipped on a CPU with its reason."""
+    config = bench.BenchConfig.tiny(models=("B",), ks=(2,), strategies=("no offload",), steps=1, warmup=0)
+    with_column, without = (bench.run(dataclasses.replace(config, graphed=graphed), "cpu", stream=io.StringIO())
+                            for graphed in (True, False))
+    assert with_column["models"][0]["graphed"][0]["reason"] == "CUDA graphs need CUDA"
+    assert "graphed" not in without["models"][0]
 
 
 @pytest.mark.gpu

@@ -52,7 +52,8 @@ class BenchConfig:
 
     ``steps`` pairs of steps are measured per run (after ``warmup`` pairs); the runs the targets
     are checked on (model A, ``k`` = 2 and 4, the engine) measure ``target_steps`` pairs, since
-    step-to-step noise on a GPU (a few percent) is larger than the 1% some targets resolve.
+    step-to-step noise on a GPU (a few percent) is larger than the 1% some targets resolve. ``graphed``: also
+    time the engine inside CUDA graphs at ``k`` = 2 and 4 (the graphed column), on a GPU.
     """
 
     models: tuple[str, ...] = ("A", "A-torch", "B", "A-wide")
@@ -66,6 +67,7 @@ class BenchConfig:
     target_steps: int = 40
     small: bool = False
     seed: int = 0
+    graphed: bool = True
 
     @classmethod
     def tiny(cls, **changes: Any) -> BenchConfig:

@@ -195,7 +195,7 @@ def _bench_model_on_path(name: str, config: BenchConfig, device: torch.device, l
             h2h = ({"k": k, "status": "skipped", "reason": left_out[HEAD_TO_HEAD_RUN]} if HEAD_TO_HEAD_RUN in left_out
                    else _head_to_head(model, x, k, device, steps_h2h))
             out.setdefault("head_to_head", []).append(h2h)
-        if k in (2, 4):  # the graphed column: the engine where no host work paces the step
+        if config.graphed and k in (2, 4):  # the graphed column: the engine where no host work paces the step
             bar.show(f"model {name}, k={k}: {GRAPHED_RUN}")
             steps_g = dict(steps, steps=max(config.steps, config.target_steps)) if name == "A" else steps
             out.setdefault("graphed", []).append(
