@@ -296,6 +296,12 @@ def _optimizer_theory(d: Data) -> tuple[str, ...]:
     return tuple(shares) if len(shares) == 1 else (f"<differs: {sorted(shares)}>",)
 
 
+def _te_plain_range(d: Data, recipe: str) -> tuple[str, ...]:
+    """Notebook 02's Transformer Engine table: the fastest and slowest step of ``recipe``'s run without offloading."""
+    return re.search(rf"^{recipe} +no offload +\S+(?: B| \S?iB)? +[\d.]+ +([\d.]+)–([\d.]+)",
+                     d.load("notebooks/02_basic.ipynb"), re.M).groups()
+
+
 PIPELINE_2GPU = f"{EVIDENCE}/2xh200-nccl/pipeline_dist_nccl.json"
 
 
@@ -569,12 +575,10 @@ QUOTED = [
     Quoted("notebooks/02_basic.ipynb", "Steps without offloading took from {} ms to {} ms in bf16, from {} ms to {} ms "
            "with delayed scaling and from {} ms to {} ms with current scaling",
            lambda d: tuple(x for r in ("bf16", "DelayedScaling", "Float8CurrentScaling")
-                           for x in re.search(rf"^{r} +no offload +\S+(?: B| \S?iB)? +[\d.]+ +([\d.]+)–([\d.]+)",
-                                              d.load("notebooks/02_basic.ipynb"), re.M).groups()),
+                           for x in _te_plain_range(d, r)),
            "the notebook's Transformer Engine table: fastest–slowest of each recipe's run without offloading"),
     Quoted("notebooks/02_basic.ipynb", "(in bf16, steps without offloading from {} ms to {} ms)",
-           lambda d: re.search(r"^bf16 +no offload +\S+(?: B| \S?iB)? +[\d.]+ +([\d.]+)–([\d.]+)",
-                               d.load("notebooks/02_basic.ipynb"), re.M).groups(),
+           lambda d: _te_plain_range(d, "bf16"),
            "the notebook's Transformer Engine table: fastest–slowest of bf16's run without offloading"),
     Quoted("notebooks/03_pipeline.ipynb", "measured {} to {} ms on rank 0 and {} to {} ms on rank 1",
            _pipeline_2gpu_steps, "pipeline_dist_nccl.json: each rank's step_ms without and with offloading"),

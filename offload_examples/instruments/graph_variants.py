@@ -24,9 +24,9 @@ from offload_examples.instruments.measure import (
 from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table
 
 __all__ = ["OFFLOAD", "TE_OFFLOAD", "TE_VARIANTS", "VARIANTS", "capture_training_step", "check_replays", "format_report",
-           "graph_safe_checks", "graphed_copy_bound_ms", "graphed_layer_ms", "memory_row", "per_layer_step",
-           "pool_growth", "replaying", "summarize_checks", "te_graph_context", "te_offload_variants", "time_in_turns",
-           "warm_capture_stream"]
+           "graph_safe_checks", "graphed_copy_bound_ms", "graphed_layer_ms", "memory_row", "over_the_larger",
+           "per_layer_step", "pool_growth", "replaying", "summarize_checks", "te_graph_context", "te_offload_variants",
+           "time_in_turns", "warm_capture_stream"]
 
 #: What an offloading variant's name ends with; the rest of the name is its variant without offloading.
 OFFLOAD = " + offload"
@@ -210,6 +210,12 @@ def graphed_copy_bound_ms(engine: Any, forward_ms: Sequence[float], backward_ms:
     (:meth:`~offload_examples.DefaultSchedule.predict_step_ms`)."""
     moved = [stats.offloaded_bytes for stats in engine.stats]
     return engine.schedule.predict_step_ms(forward_ms, backward_ms, moved, link["d2h"], link["h2d"])
+
+
+def over_the_larger(step_ms: float, reference_ms: float, bound_ms: float | None) -> float:
+    """``step_ms`` over the larger of ``reference_ms`` (the same graphs without offloading) and the copy bound
+    (``None``: none), less one: what offloading costs beyond what its copies must."""
+    return step_ms / max(reference_ms, bound_ms or 0.0) - 1
 
 
 def te_offload_variants(model: torch.nn.ModuleList, inputs: Sequence[torch.Tensor], refs: Sequence[Measurement],

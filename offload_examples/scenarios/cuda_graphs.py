@@ -37,8 +37,8 @@ from offload_examples.instruments.cli import Need
 from offload_examples.instruments.bandwidth import link_bandwidth
 from offload_examples.instruments.graph_variants import (
     VARIANTS, capture_training_step, check_replays, format_report, graph_safe_checks, graphed_copy_bound_ms,
-    graphed_layer_ms, memory_row, per_layer_step, pool_growth, replaying, summarize_checks, te_offload_variants,
-    time_in_turns, warm_capture_stream,
+    graphed_layer_ms, memory_row, over_the_larger, per_layer_step, pool_growth, replaying, summarize_checks,
+    te_offload_variants, time_in_turns, warm_capture_stream,
 )
 from offload_examples.instruments.measure import (
     GradCheck, Run, deterministic_kernels, measure_steps, resident_vs_theory, snapshot, training_step,
@@ -175,8 +175,9 @@ def run(config: GraphsConfig | None = None, device: torch.device | str | None = 
         report["rounds"] = time_in_turns(runs, report["rows"], config.warmup, config.replays)
         if device.type == "cuda":
             rows = report["rows"]
-            report["per_layer_over_reference"] = rows["per-layer graphs + offload"]["step_ms"] / max(
-                rows["per-layer graphs"]["step_ms"], report["copy_bound_ms"]) - 1
+            report["per_layer_over_reference"] = over_the_larger(rows["per-layer graphs + offload"]["step_ms"],
+                                                                 rows["per-layer graphs"]["step_ms"],
+                                                                 report["copy_bound_ms"])
     # the engine's count of offloaded bytes on the device, phase by phase, against the schedule's,
     # for the last step ctx ran: the captured one (replays repeat it) or the last graph-safe step
     report["resident_matches_theory"] = all(got == want for _, _, got, want in resident_vs_theory(ctx))

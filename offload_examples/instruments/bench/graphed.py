@@ -15,7 +15,6 @@ Graphs take that work away, so what offloading costs inside them is what its cop
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 import torch
@@ -24,10 +23,10 @@ from torch import nn
 from offload_examples import get_cpu_offload_context
 from offload_examples.features.graphs import make_graphed_layers
 from offload_examples.instruments.bench.faults import _failed, _free, _tidy
-from offload_examples.instruments.bench.protocol import _alternating, _quartiles
+from offload_examples.instruments.bench.protocol import _alternating, _paired
 from offload_examples.instruments.bench.strategies import _through
 from offload_examples.instruments.graph_variants import (
-    capture_training_step, graphed_copy_bound_ms, graphed_layer_ms, te_graph_context,
+    capture_training_step, graphed_copy_bound_ms, graphed_layer_ms, over_the_larger, te_graph_context,
 )
 from offload_examples.instruments.measure import measure_paired
 from offload_examples.instruments.models import TE_LAYER
@@ -69,7 +68,7 @@ def _per_layer(model: nn.ModuleList, x: torch.Tensor, k: int, device: torch.devi
     bound = graphed_copy_bound_ms(engine, forward_ms, backward_ms, link) if link else None
     return {"per_layer_overhead": a["ratio"], "per_layer_quartiles": a["quartiles"], "per_layer_pairs": a["pairs"],
             "per_layer_ms": a["reference_ms"], "per_layer_offload_ms": a["candidate_ms"], "bound_ms": bound,
-            "over_reference": a["candidate_ms"] / max(a["reference_ms"], bound or 0.0) - 1}
+            "over_reference": over_the_larger(a["candidate_ms"], a["reference_ms"], bound)}
 
 
 def _whole_step_against_te(model: nn.ModuleList, x: torch.Tensor, k: int, device: torch.device, steps: dict
@@ -79,8 +78,6 @@ def _whole_step_against_te(model: nn.ModuleList, x: torch.Tensor, k: int, device
                                            retain_pinned_cpu_buffers=True)
     ours = capture_training_step(model, x, engine, sync)
     theirs = capture_training_step(model, x, *te_graph_context(k, n))
-    measured, te_ms = measure_paired(model, x, theirs.replay, ours.replay, label="whole step", **steps)
-    pairs = sorted(t / r - 1 for t, r in zip(measured.step_ms, te_ms))
-    return {"whole_step_vs_te": statistics.median(pairs), "whole_step_quartiles": _quartiles(pairs),
-            "whole_step_pairs": len(pairs), "whole_step_ms": measured.median_ms,
-            "te_whole_step_ms": statistics.median(te_ms)}
+    a = _paired(*measure_paired(model, x, theirs.replay, ours.replay, label="whole step", **steps))
+    return {"whole_step_vs_te": a["ratio"], "whole_step_quartiles": a["quartiles"], "whole_step_pairs": a["pairs"],
+            "whole_step_ms": a["candidate_ms"], "te_whole_step_ms": a["reference_ms"]}

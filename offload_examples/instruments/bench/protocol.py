@@ -24,7 +24,8 @@ from offload_examples.instruments.bench import faults, strategies
 from offload_examples.instruments.bench.faults import _failed, _reason, _tidy
 from offload_examples.instruments.bench.strategies import Forward, available
 from offload_examples.instruments.measure import (
-    compare_grads, deterministic_kernels, measure_paired, measure_steps, paired_overhead, resident_vs_theory,
+    Measurement, compare_grads, deterministic_kernels, measure_paired, measure_steps, paired_overhead,
+    resident_vs_theory,
 )
 from offload_examples.instruments.memory_history import MemoryCurve, record_memory_curve
 from offload_examples.instruments.models import TE_LAYER
@@ -95,8 +96,13 @@ def _alternating(model: nn.ModuleList, x: torch.Tensor, reference: Forward, cand
                  steps: dict) -> dict[str, Any]:
     """``candidate``'s steps alternating with ``reference``'s: the median over the pairs of candidate /
     reference - 1 (``ratio``), its quartiles, and each one's median step (ms)."""
-    measured, reference_ms = measure_paired(model, x, strategies._step(reference, x), strategies._step(candidate, x),
-                                            label=label, **steps)
+    return _paired(*measure_paired(model, x, strategies._step(reference, x), strategies._step(candidate, x),
+                                   label=label, **steps))
+
+
+def _paired(measured: Measurement, reference_ms: Sequence[float]) -> dict[str, Any]:
+    """What :func:`measure_paired` measured, as the reports give it: the median over the pairs of candidate /
+    reference - 1 (``ratio``), its quartiles, the pairs, and each one's median step (ms)."""
     pairs = sorted(c / r - 1 for c, r in zip(measured.step_ms, reference_ms))
     return {"ratio": statistics.median(pairs), "quartiles": _quartiles(pairs), "pairs": len(pairs),
             "candidate_ms": measured.median_ms, "reference_ms": statistics.median(reference_ms)}
