@@ -199,6 +199,31 @@ def test_per_layer_scope_copies_a_storage_larger_than_a_share_in_pieces(monkeypa
     assert all(torch.equal(a, b) for a, b in zip(plain, _grads(layers, x)))
 
 
+def test_per_layer_scope_spreads_several_layers_copies_evenly_over_the_graphs(monkeypatch):
+    """Three layers copying out at once: once all of them wait, each graph up to the last release copies
+    about as many bytes as the next (the copies of the layer released first first), where shares taken
+    layer by layer would crowd the graphs in which all three copy and leave the last ones idle; every
+    byte is queued before its release and the gradients stay bitwise."""
+    from offload_examples.core import entries
+
+    monkeypatch.setattr(entries, "MIN_PIECE_BYTES", 256)
+    n, k = 10, 3
+    layers = _tanh_stack(n)
+    x = torch.randn(64, 64, requires_grad=True)
+    plain = _step(layers, x)
+    ctx, sync = get_cpu_offload_context(enabled=True, num_layers=k, model_layers=n, retain_pinned_cpu_buffers=True)
+    _step(layers, x, ctx, sync)
+    whole = [ctx.stats[j].offloaded_bytes for j in range(k)]
+    ctx.set_capture_scope("layer")
+    monkeypatch.setattr(type(ctx), "capturing", lambda self: True)
+    queued = _watched_step(layers, x, ctx, sync, lambda: sum(_queued(ctx, j) for j in range(k)))
+    per_graph = [b - a for a, b in zip([0] + queued, queued)]
+    steady = per_graph[k:n - 1]  # every layer waits from entry k on; the last release comes at entry n - 1
+    assert max(steady) - min(steady) <= k * 256, per_graph  # even, to a piece's rounding
+    assert [_queued(ctx, j) for j in range(k)] == whole, (queued, whole)
+    assert all(torch.equal(a, b) for a, b in zip(plain, _grads(layers, x)))
+
+
 def test_a_storage_half_copied_when_a_step_begins_again_stays_on_the_device(monkeypatch):
     """A step cut short while a storage is copied in pieces, its graph still held (a kept exception):
     when the next step begins, the half-copied storage keeps its device bytes and gives its buffer
@@ -322,6 +347,34 @@ def test_per_layer_scope_spreads_a_layers_reload_over_the_backwards_before_its_o
     assert len({spread[j] for j in range(first, 0, -1)}) > 3, spread  # several graphs take part
     assert spread[1] == eager[1] and spread[0] == eager[0], (spread, eager)  # all back in time
     assert all(torch.equal(a, b) for a, b in zip(plain, _grads(layers, x)))
+
+
+def test_per_layer_scope_copies_a_large_storage_back_in_pieces_over_the_backwards(monkeypatch):
+    """A storage larger than a backward graph's share of the reload comes back in pieces, one in each
+    backward's graph from the reload's start, each about the share (a whole storage would stretch the
+    one graph copying it); the pieces cover it once, all before its layer's backward, and the
+    gradients stay bitwise."""
+    from offload_examples.core import engine as engine_module
+
+    layers, x, ctx, sync = _in_pieces(monkeypatch)
+    plain = _step(layers, x)
+    copy_in, pieces = engine_module._StorageRecord.copy_in, []
+
+    def watched(rec, stop=None):
+        pieces.append((len(ctx._backwards), rec.layer, rec.loaded, stop or rec.nbytes))
+        return copy_in(rec, stop) if stop else copy_in(rec)
+
+    monkeypatch.setattr(engine_module._StorageRecord, "copy_in", watched)
+    grads = _step(layers, x, ctx, sync)
+    nbytes = ctx.stats[0].offloaded_bytes  # layer 0 offloads one storage
+    mine = [(graph, start, stop) for graph, layer, start, stop in pieces if layer == 0]
+    graphs = [graph for graph, _, _ in mine]
+    assert len(set(graphs)) == len(graphs) > 2, mine  # one piece in each of several backward graphs
+    assert max(graphs) < len(layers), mine  # all queued by the graph of layer 0's own backward
+    assert [s for _, s, _ in mine] == [0] + [e for _, _, e in mine[:-1]] and mine[-1][2] == nbytes, mine
+    share = nbytes / (len(layers) - min(graphs))
+    assert all(stop - start <= share + 256 for _, start, stop in mine), (mine, share)
+    assert all(torch.equal(a, b) for a, b in zip(plain, grads))
 
 
 def test_capture_scope_is_checked():

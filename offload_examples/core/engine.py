@@ -91,7 +91,7 @@ class _StorageRecord:
 
     __slots__ = ("streams", "pool", "layer", "iteration", "nbytes", "home", "device", "original", "version",
                  "original_ref", "witness", "weak", "address", "host", "offloaded", "reloaded", "views", "aborted", "captured",
-                 "tried", "last_saved", "slice_of_data", "queued")
+                 "tried", "last_saved", "slice_of_data", "queued", "loading", "loaded")
 
     def __init__(self, engine: OffloadEngine, layer: int, t: torch.Tensor, storage: torch.UntypedStorage,
                  home: torch.cuda.Stream | None, captured: bool):
@@ -126,6 +126,7 @@ class _StorageRecord:
         self.last_saved = engine._saves
         #: Bytes whose copy to the host is queued: all or none, but for per-layer graphs (copy_piece).
         self.queued = 0
+        self.loading, self.loaded = None, 0  # per-layer graphs: a reload's GPU bytes queued in part, and how many
 
     def borrow_host(self) -> HostBuffer:
         """Step 2, first half: a host buffer for the copy. Raises :class:`HostMemoryLimitError` (or the
@@ -218,6 +219,8 @@ class _StorageRecord:
         ``waited``: a dict that a caller dropping many records at once passes to each. A layer's
         records share one copy event per home stream, so the wait (a driver call) is queued once.
         """
+        if self.loading is not None:  # a reload queued in part: its bytes go as a whole reload's would
+            self.device, self.loading, self.loaded = self.loading, None, 0
         if self.device is None:
             return
         if self.captured == capturing:
@@ -240,20 +243,27 @@ class _StorageRecord:
             self.witness = version_witness(self.original)  # an in-place change is still caught at unpack
         self.original = None
 
-    def copy_in(self) -> None:
-        """Step 4: allocate GPU bytes on the home stream and queue the host-to-device copy, or take
-        back the original memory if it is still alive (no copy: the bytes never left)."""
-        s = self.streams
-        alive = torch.UntypedStorage._new_with_weak_ptr(self.weak.cdata)
-        if alive is not None and alive.data_ptr() == self.address and alive.nbytes() == self.nbytes:
-            self.device = torch.empty(0, dtype=torch.uint8, device=s.device).set_(alive)
-            return
-        with s.on(self.home):
-            device = torch.empty(self.nbytes, dtype=torch.uint8, device=s.device)
+    def copy_in(self, stop: int | None = None) -> bool:
+        """Step 4: allocate GPU bytes on the home stream and queue the host-to-device copy of bytes ``[loaded,
+        stop)`` (all that is left by default; per-layer graphs copy large storages back in pieces), or take back
+        the original memory if it is still alive (no copy: the bytes never left). Returns whether it is whole."""
+        s, start, stop, device = self.streams, self.loaded, stop or self.nbytes, self.loading
+        if device is None:
+            alive = torch.UntypedStorage._new_with_weak_ptr(self.weak.cdata)
+            if alive is not None and alive.data_ptr() == self.address and alive.nbytes() == self.nbytes:
+                self.device = torch.empty(0, dtype=torch.uint8, device=s.device).set_(alive)
+                return True
+            with s.on(self.home):
+                device = torch.empty(self.nbytes, dtype=torch.uint8, device=s.device)
+        part = stop - start < self.nbytes  # a piece: a view of each side
         # The new block may be memory the home stream used until just now.
-        self.reloaded = s.copy(device, self.host.data, on=s.h2d, after=(self.home, self.offloaded),
-                               lane="host-to-device", layer=self.layer)
-        self.device = device  # only once its copy is queued: a failed copy leaves nothing unwritten to read
+        self.reloaded = s.copy(device[start:stop] if part else device, self.host.data[start:stop] if part else
+                               self.host.data, on=s.h2d, after=(self.home, self.offloaded), lane="host-to-device",
+                               layer=self.layer)
+        # only once its copy is queued: a failed copy leaves nothing unwritten to read
+        whole = stop == self.nbytes
+        self.device, self.loading, self.loaded = (device, None, 0) if whole else (None, device, stop)
+        return whole
 
     def free(self, capturing: bool) -> None:
         """Step 6: give everything back once autograd no longer needs the storage."""
@@ -440,8 +450,7 @@ class OffloadEngine(EngineEntries, EngineIterations, EngineReadouts, EngineSetti
             raise
 
     def _release(self, layer: int, why: str) -> bool:
-        """Step 3: the home stream waits for the copies, then the GPU memory is dropped.
-        Returns whether anything was dropped (so the compute stream waited for a copy)."""
+        """Step 3: the home stream waits for the copies, then the GPU memory is dropped. Returns whether any was."""
         self._move(layer, LayerState.RELEASED, why)
         capturing = self.capturing()
         dropped, waited = False, {}
@@ -473,9 +482,11 @@ class OffloadEngine(EngineEntries, EngineIterations, EngineReadouts, EngineSetti
         for rec in todo:
             rec.check_capture("reloaded", capturing)
         for rec in todo:
-            rec.copy_in()  # a copy out joined in an earlier capture needs no wait (Streams.join)
-            if rec.iteration == self.iteration:
-                self.resident_bytes += rec.nbytes
+            self._load(rec)  # a copy out joined in an earlier capture needs no wait (Streams.join)
+
+    def _load(self, rec: _StorageRecord, stop: int | None = None) -> None:  # resident once whole
+        if rec.copy_in(stop) and rec.iteration == self.iteration:
+            self.resident_bytes += rec.nbytes
 
     def _reload_layer(self, layer: int, why: str) -> None:
         self._move(layer, LayerState.RELOADING, why)

@@ -249,37 +249,35 @@ class EngineEntries:
 
     def _start_deferred_offloads(self) -> None:
         """Per-layer graphs: queue copies of the layers whose forward ended in an earlier graph, spread over
-        the entries before each one's release: at each, that layer's bytes left over the entries left
-        (all of them at the last), whole storages in the order they were saved, and a piece of the next
-        one where a whole one would exceed the share. They run beside this layer's forward, in its
+        the entries before each one's release (:func:`_even_rate`: all of a layer's bytes by the last), the
+        earliest release first, whole storages in the order they were saved and a piece of the next one
+        where a whole one would exceed the graph's share. They run beside this layer's forward, in its
         graph, which joins them at its exit; replays run the graphs in the order they were captured, so
         the copies read what the earlier graphs wrote."""
-        entry, pending = self._entered, []
+        entry, jobs, pending = self._entered, [], []
         for layer, deadline, started in self._deferred_offloads:
             if not started:
                 self.events.append(("offload_start", layer))
             # looked up again at every entry: a storage freed or resized since is no longer copied
             records = self._half_copied(layer) + self._offload_candidates(layer)
-            self._copy_share(layer, records, sum(r.nbytes - r.queued for r in records) / max(deadline - entry, 1))
+            jobs.append((deadline - entry, layer, deadline, records, sum(r.nbytes - r.queued for r in records)))
+        budget = _even_rate([(job[0], job[-1]) for job in jobs])
+        for _, layer, deadline, records, left in sorted(jobs, key=lambda job: job[:2]):
+            self._copy_share(layer, records, min(budget, left))
+            budget -= left - sum(r.nbytes - r.queued for r in records)
             if any(r.queued < r.nbytes and r.device is not None for r in records):
                 pending.append((layer, deadline, True))
         self._deferred_offloads = pending
 
     def _copy_share(self, layer: int, records: list, share: float) -> None:
         """Queue about ``share`` bytes of ``records``: whole storages in one batch, the rest in pieces."""
-        whole, left = [], share
-        for rec in records:
-            rest = rec.nbytes - rec.queued
-            if left <= 0 or (left < min(rest, MIN_PIECE_BYTES) and left < share):
-                break  # too small a piece to be worth a copy of its own: the next entry takes it
-            if rec.queued == 0 and rest <= left:
+        whole = []
+        for rec, stop in _paced(records, share, [r.queued for r in records]):
+            if rec.queued == 0 and stop == rec.nbytes:
                 whole.append(rec)
-                left -= rest
                 continue
-            piece = min(rest, max(int(left), MIN_PIECE_BYTES))
-            left -= piece
             host = rec.host or self._or_warn(layer, rec.borrow_host)
-            if host is not None and rec.copy_piece(host, rec.queued + piece):
+            if host is not None and rec.copy_piece(host, stop):
                 self._count_offloaded(layer, rec.nbytes, rec.views)
         self._copy_out(whole)
 
@@ -296,22 +294,29 @@ class EngineEntries:
         return [r for r in half if r.host is not None and r.device is not None]
 
     def _start_deferred_reloads(self, entry: int) -> None:
-        """Per-layer graphs: copy back, in the graph of the backward of ``entry``, a share of each
-        reloading layer's bytes: what is left over the backwards left before the layer's own (all of it in
-        the last). A layer's reload takes longer than one layer's backward, and a copy forked in a graph
-        must end in it: spread, the copies hide behind the backwards between the reload's start and the
-        layer's own, as in an eager step. The tensors its backward reads first come first."""
-        pending = []
+        """Per-layer graphs: copy back, in the graph of the backward of ``entry``, a share of the reloading
+        layers' bytes, spread over the backwards left before each layer's own (:func:`_even_rate`: all of
+        it by the last), the layer whose backward comes first first, whole storages and pieces of large
+        ones as the copies out are. A layer's reload takes longer than one layer's backward, and a copy
+        forked in a graph must end in it: spread evenly, the copies hide behind the backwards between the
+        reload's start and the layer's own, as in an eager step, where a whole large storage would stretch
+        the one graph that copies it. The tensors a backward reads first come first."""
+        capturing, jobs, pending = self.capturing(), [], []
         for layer, records in self._deferred_reloads:
             left = [r for r in records if r.device is None and r.host is not None and not r.aborted]
-            count = _share(left, entry - layer)
-            try:
-                self._reload(left[:count])
-            except BaseException:
-                self._deferred_reloads = []  # what is still on the host reloads on demand
-                raise
-            if count < len(left):
-                pending.append((layer, left[count:]))
+            jobs.append((entry - layer, layer, left, sum(r.nbytes - r.loaded for r in left)))
+        budget = _even_rate([(job[0], job[-1]) for job in jobs])
+        try:
+            for _, layer, left, nbytes in sorted(jobs, key=lambda job: job[:2]):
+                for rec, stop in _paced(left, min(budget, nbytes), [r.loaded for r in left]):
+                    rec.check_capture("reloaded", capturing)
+                    budget -= stop - rec.loaded
+                    self._load(rec, stop)
+                if any(r.device is None for r in left):
+                    pending.append((layer, left))
+        except BaseException:
+            self._deferred_reloads = []  # what is still on the host reloads on demand
+            raise
         self._deferred_reloads = pending
 
     def _per_layer_capture(self) -> bool:
@@ -413,12 +418,29 @@ class EngineEntries:
         self._leaf_hooks: list[torch.utils.hooks.RemovableHandle] = []
 
 
-def _share(records: list, entries_left: int) -> int:
-    """How many of ``records`` (whole storages, in order) to copy now so that each of ``entries_left``
-    entries copies about its share of their bytes: at least one, all of them at the last entry."""
-    share = sum(r.nbytes for r in records) / max(entries_left, 1)
-    count, taken = 0, 0
-    while count < len(records) and taken < share:
-        taken += records[count].nbytes
-        count += 1
-    return count
+def _even_rate(jobs: list[tuple[int, int]]) -> float:
+    """Per-layer graphs: the fewest bytes this graph must copy for every job, ``(graphs left to its
+    deadline, this one included; bytes left)``, to be met at an even rate from here on: the largest, over
+    the deadlines, of the bytes due by one over the graphs left to it. Each graph then copies about as much
+    as the next, where shares taken layer by layer would crowd the graphs in which several layers copy."""
+    rate, due = 0.0, 0
+    for graphs, nbytes in sorted(jobs):
+        due += nbytes
+        rate = max(rate, due / max(graphs, 1))
+    return rate
+
+
+def _paced(records: list, share: float, done: list[int]) -> list[tuple[object, int]]:
+    """Per-layer graphs: the copies to queue in one graph so that about ``share`` bytes of ``records`` move
+    (``done``: each one's bytes queued already), as ``(record, stop)``: whole storages in order, and a
+    piece of the next one where a whole one would exceed the share, never smaller than ``MIN_PIECE_BYTES``
+    (too small a piece to be worth a copy of its own: a later graph takes it). At least one."""
+    out, left = [], share
+    for rec, start in zip(records, done):
+        rest = rec.nbytes - start
+        if left <= 0 or (left < min(rest, MIN_PIECE_BYTES) and left < share):
+            break
+        piece = rest if rest <= left else min(rest, max(int(left), MIN_PIECE_BYTES))
+        out.append((rec, start + piece))
+        left -= piece
+    return out
