@@ -31,6 +31,30 @@ def test_two_rank_gloo_pipeline_grads_equal(tmp_path):
         assert r["iterations"] == report["config"]["steps"] + 2  # warm-up, steps, grad check: one each
 
 
+def test_a_stages_steps_without_and_with_offloading_take_turns(monkeypatch):
+    """The pipeline's ranks time their steps without and with offloading taking turns, each round
+    starting with the other (every rank alike), so that drift meets both; the shape-inferring steps
+    run outside the context first, the bitwise-check steps last."""
+    from types import SimpleNamespace
+
+    from offload_examples.instruments import measure
+
+    monkeypatch.setattr(measure.dist, "barrier", lambda: None)  # one process: nothing to wait for
+    calls = []
+
+    def case(name):
+        stage = SimpleNamespace(offloading=None, ctx=SimpleNamespace(
+            record_memory=False, memory_trace=[], theoretical=lambda: None, stats=[]))
+        return (lambda: calls.append((name, stage.offloading)), stage)
+
+    out = measure.measure_stage_steps({"no offload": case("no offload"), "offload": case("offload")},
+                                      torch.nn.Linear(2, 2), 3, torch.device("cpu"))
+    assert calls[:2] == [("no offload", False), ("offload", False)]  # shapes, outside the context
+    assert [n for n, _ in calls[2:10]] == ["no offload", "offload", "offload", "no offload"] * 2
+    assert [n for n, _ in calls[10:]] == ["no offload", "offload"]  # the bitwise check
+    assert set(out) == {"no offload", "offload"} and out["offload"]["step_ms"] is None  # no times on a CPU
+
+
 @pytest.mark.gpu
 def test_single_gpu_pipeline_saving_vs_theory():
     report = pipeline.run(progress=None)

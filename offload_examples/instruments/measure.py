@@ -204,56 +204,76 @@ def measure_steps(
 
 
 
-def measure_stage_steps(step: Callable[[], None], stage: nn.Module, params: nn.Module, steps: int,
-                        device: torch.device) -> dict[str, Any]:
-    """One pipeline stage's steps on one rank, measured the same way without and with offloading.
+def measure_stage_steps(cases: Mapping[str, tuple[Callable[[], None], nn.Module]], params: nn.Module, steps: int,
+                        device: torch.device) -> dict[str, dict[str, Any]]:
+    """One pipeline stage's steps on one rank, each case measured the same way, the cases taking turns.
 
-    ``step`` runs one step of the pipeline's schedule through ``stage``, whose ``ctx`` is its offload
-    context and whose ``offloading`` switches it; ``params`` holds the stage's parameters. First a
-    step that also infers shapes, outside the context; then ``steps + 1`` steps, the first a warm-up
-    and the last recording memory at every phase start; then one more under deterministic kernels.
+    ``cases`` maps a name to ``(step, stage)``: ``step`` runs one step of the pipeline's schedule
+    through ``stage``, whose ``ctx`` is its offload context and whose ``offloading`` switches it;
+    ``params`` holds the stage's parameters, shared by the cases. First each case's step that also
+    infers shapes, outside the context; then ``steps + 1`` rounds, one step of each case in each,
+    the first round a warm-up and the last recording memory at every phase start; then one more step
+    of each case under deterministic kernels. The cases take turns step by step, and at which goes
+    first (every rank the same way, as a pipeline's ranks must), so that drift of the GPU or the host
+    meets all of them alike.
 
     Returns
     -------
     dict
-        ``memory_trace``, ``activation_peak_bytes`` and ``step_ms`` (both ``None`` off CUDA), the
-        engine's ``theory`` and ``stats`` after the measured steps, and the last step's ``grads``
-        (parameter name -> gradient, on the host).
+        Per case: ``memory_trace``, ``activation_peak_bytes`` and ``step_ms`` (both ``None`` off CUDA),
+        ``step_ms_by_round`` (empty off CUDA), the engine's ``theory`` and ``stats`` after the measured
+        steps, and the last step's ``grads`` (parameter name -> gradient, on the host).
     """
     cuda = device.type == "cuda"
-    # The first step also runs one forward to infer shapes: keep it out of the context,
-    # which counts model_layers entries per step.
-    stage.offloading = False
+    out = {name: {"times": [], "peak": None} for name in cases}
+    for step, stage in cases.values():
+        # The first step also runs one forward to infer shapes: keep it out of the context,
+        # which counts model_layers entries per step.
+        stage.offloading = False
+        step()
+        stage.offloading = True
+    names = list(cases)
+    for i in range(steps + 1):  # the first round is a warm-up
+        for name in names if i % 2 == 0 else names[::-1]:
+            step, stage = cases[name]
+            ms, peak = _stage_step(step, stage, params, cuda, record_memory=i == steps)
+            if i and cuda:
+                out[name]["times"].append(ms)
+                out[name]["peak"] = max(out[name]["peak"] or 0, peak)
+            dist.barrier()
+    for name, (step, stage) in cases.items():
+        # read the last measured step before the gradient check runs another (with other kernels)
+        result = out[name]
+        result.update(memory_trace=list(stage.ctx.memory_trace), theory=stage.ctx.theoretical(),
+                      stats=list(stage.ctx.stats))
+        with deterministic_kernels():  # one more step with bit-reproducible kernels for the comparison
+            params.zero_grad(set_to_none=True)
+            step()
+        result["grads"] = {n: p.grad.to("cpu", copy=True) for n, p in params.named_parameters() if p.grad is not None}
+        times = result.pop("times")
+        result.update(activation_peak_bytes=result.pop("peak"), step_ms_by_round=times,
+                      step_ms=statistics.median(times) if times else None)
+    return out
+
+
+def _stage_step(step: Callable[[], None], stage: nn.Module, params: nn.Module, cuda: bool,
+                record_memory: bool) -> tuple[float | None, int | None]:
+    """One step of a pipeline stage: its time (CUDA events) and peak bytes above the start, on CUDA."""
+    params.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    stage.ctx.record_memory = record_memory  # memory at every phase start
     step()
-    stage.offloading = True
-    times, peak, base = [], None, None
-    for i in range(steps + 1):  # the first is a warm-up
-        params.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        stage.ctx.record_memory = i == steps  # memory at every phase start of the last step
-        step()
-        stage.ctx.record_memory = False
-        if cuda:
-            end.record()
-            end.synchronize()
-            if i:
-                times.append(start.elapsed_time(end))
-                peak = max(peak or 0, torch.cuda.max_memory_allocated() - base)
-        dist.barrier()
-    # read the last measured step before the gradient check runs another (with other kernels)
-    trace = list(stage.ctx.memory_trace)
-    theory, stats = stage.ctx.theoretical(), list(stage.ctx.stats)
-    with deterministic_kernels():  # one more step with bit-reproducible kernels for the comparison
-        params.zero_grad(set_to_none=True)
-        step()
-    grads = {n: p.grad.to("cpu", copy=True) for n, p in params.named_parameters() if p.grad is not None}
-    return {"memory_trace": trace, "activation_peak_bytes": peak, "step_ms": statistics.median(times) if times else None,
-            "theory": theory, "stats": stats, "grads": grads}
+    stage.ctx.record_memory = False
+    if not cuda:
+        return None, None
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end), torch.cuda.max_memory_allocated() - base
 
 
 def measure_paired(

@@ -7,8 +7,8 @@ entries per step, in the order 1F1B gives the stage. A ``synchronization_dict`` 
 order offloads the first ``offload`` layers of every micro-batch: each is released while the
 stage's later layers run their forward and reloaded one layer ahead of its backward.
 
-Each rank runs the same steps without and with offloading, then compares its gradients and
-peak memory. The loop to copy is :func:`train`, with the stage it runs (:class:`OffloadedStage`). Run it::
+Each rank runs the same steps without and with offloading, taking turns step by step, then compares
+its gradients and peak memory. The loop to copy is :func:`train`, with the stage it runs (:class:`OffloadedStage`). Run it::
 
     # 2 ranks: nccl on 2 GPUs, else gloo on the CPU
     python -m offload_examples pipeline-dist
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -27,7 +28,7 @@ from torch import nn
 from offload_examples import get_cpu_offload_context, mark_not_offload
 from offload_examples.core.orders import one_f_one_b_order, sync_dict_for_order
 from offload_examples.instruments.cli import Need
-from offload_examples.instruments.measure import measure_stage_steps
+from offload_examples.instruments.measure import measure_stage_steps, overhead_spread
 from offload_examples.instruments.models import build_basic_model
 from offload_examples.instruments.report import format_bytes, format_table
 from offload_examples.instruments.scenario_cli import STAGES, scenario_main
@@ -129,7 +130,7 @@ class DistConfig(TransformerSize, MicroBatches, ScenarioConfig):
     layers_per_stage: int = 6
     offload: int = 2
     microbatches: int = 4
-    steps: int = 3
+    steps: int = 6
 
     #: The small size, which runs in seconds on a CPU: what it changes here (the shared sizes have their own).
     SMALL = dict(layers_per_stage=3, offload=1, steps=2)
@@ -166,15 +167,16 @@ def _run_rank(rank: int, device: torch.device, cfg: DistConfig) -> dict[str, Any
                                                   device=device)
     cases = {"no offload": OffloadedStage(mine, base_ctx, base_sync), "offload": OffloadedStage(mine, ctx, sync)}
     out: dict[str, Any] = {"rank": rank, "order": order, "sync_dict": {str(k): v for k, v in sync_dict.items()}}
-    grads = {}
-    for name, stage_module in cases.items():
-        schedule = _make_schedule(stage_module, rank, world, cfg, device)
-        steps = measure_stage_steps(lambda: _pipeline_step(schedule, rank, world, cfg, device, x, dtype), stage_module,
-                                    mine, cfg.steps, device)
-        if stage_module.ctx is ctx:
-            theory, stats = steps["theory"], steps["stats"]
-        grads[name] = steps["grads"]
-        out[name] = {key: steps[key] for key in ("memory_trace", "activation_peak_bytes", "step_ms")}
+    steps = measure_stage_steps(
+        {name: (partial(_pipeline_step, _make_schedule(stage_module, rank, world, cfg, device), rank, world, cfg,
+                        device, x, dtype), stage_module) for name, stage_module in cases.items()},
+        mine, cfg.steps, device)
+    grads = {name: steps[name]["grads"] for name in cases}
+    theory, stats = steps["offload"]["theory"], steps["offload"]["stats"]
+    for name in cases:
+        out[name] = {key: steps[name][key] for key in ("memory_trace", "activation_peak_bytes", "step_ms")}
+    if device.type == "cuda":  # the steps took turns: round by round, offloading's over the baseline's
+        out.update(overhead_spread(steps["offload"]["step_ms_by_round"], steps["no offload"]["step_ms_by_round"]))
     out.update(
         offloaded_bytes=sum(st.offloaded_bytes for st in stats),
         offloaded_bytes_per_entry=[st.offloaded_bytes for st in stats],
@@ -222,13 +224,18 @@ def format_report(report: dict[str, Any]) -> str:
                      format_bytes(r["offloaded_bytes"]),
                      "n/a" if r["offload"]["step_ms"] is None else
                      f"{r['no offload']['step_ms']:.1f} / {r['offload']['step_ms']:.1f} ms",
+                     "n/a" if "overhead" not in r else
+                     "{:+.1%} ({:+.1%} .. {:+.1%})".format(r["overhead"], *r["overhead_quartiles"]),
                      f"{r['grads_equal']} ({r['grads_compared']})"))
     c = report["config"]
     head = (f"{c['stages']}-stage 1F1B pipeline ({report['backend']}, {report['device']}), "
             f"{c['layers_per_stage']} layers per stage, first {c['offload']} offloaded, {c['microbatches']} micro-batches")
     table = format_table(rows, header=("rank", "peak without", "peak with", "saving", "theory", "ratio", "to host",
-                                       "step without / with", "grads equal"))
-    return head + "\n" + table  # no step times on a CPU (n/a), so no note that they measure nothing
+                                       "step without / with", "overhead (quartiles)", "grads equal"))
+    if not any("overhead" in r for r in report["ranks"]):
+        return head + "\n" + table  # no step times on a CPU (n/a), so no note that they measure nothing
+    return (head + "\n" + table + "\nsteps: medians; overhead: round by round, the step with offloading over the "
+            "one without it that took turns with it, less one (median and quartiles over the rounds)")
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
