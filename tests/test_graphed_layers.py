@@ -375,6 +375,10 @@ def test_per_layer_scope_copies_a_large_storage_back_in_pieces_over_the_backward
     share = nbytes / (len(layers) - min(graphs))
     assert all(stop - start <= share + 256 for _, start, stop in mine), (mine, share)
     assert all(torch.equal(a, b) for a, b in zip(plain, grads))
+    # its whole block is allocated with the first piece: from that backward on it counts as on the device
+    backward = [b for phase, _, b in ctx.resident_trace if phase == "backward"]
+    first = min(graphs)
+    assert backward[first - 1] - backward[first - 2] == nbytes, (backward, first)
 
 
 def test_capture_scope_is_checked():

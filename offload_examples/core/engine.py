@@ -243,16 +243,16 @@ class _StorageRecord:
             self.witness = version_witness(self.original)  # an in-place change is still caught at unpack
         self.original = None
 
-    def copy_in(self, stop: int | None = None) -> bool:
+    def copy_in(self, stop: int | None = None) -> None:
         """Step 4: allocate GPU bytes on the home stream and queue the host-to-device copy of bytes ``[loaded,
         stop)`` (all that is left by default; per-layer graphs copy large storages back in pieces), or take back
-        the original memory if it is still alive (no copy: the bytes never left). Returns whether it is whole."""
-        s, start, stop, device = self.streams, self.loaded, stop or self.nbytes, self.loading
+        the original memory if it is still alive (no copy: the bytes never left)."""
+        s, start, stop, device = self.streams, self.loaded, self.nbytes if stop is None else stop, self.loading
         if device is None:
             alive = torch.UntypedStorage._new_with_weak_ptr(self.weak.cdata)
             if alive is not None and alive.data_ptr() == self.address and alive.nbytes() == self.nbytes:
                 self.device = torch.empty(0, dtype=torch.uint8, device=s.device).set_(alive)
-                return True
+                return
             with s.on(self.home):
                 device = torch.empty(self.nbytes, dtype=torch.uint8, device=s.device)
         part = stop - start < self.nbytes  # a piece: a view of each side
@@ -261,9 +261,7 @@ class _StorageRecord:
                                self.host.data, on=s.h2d, after=(self.home, self.offloaded), lane="host-to-device",
                                layer=self.layer)
         # only once its copy is queued: a failed copy leaves nothing unwritten to read
-        whole = stop == self.nbytes
-        self.device, self.loading, self.loaded = (device, None, 0) if whole else (None, device, stop)
-        return whole
+        self.device, self.loading, self.loaded = (device, None, 0) if stop == self.nbytes else (None, device, stop)
 
     def free(self, capturing: bool) -> None:
         """Step 6: give everything back once autograd no longer needs the storage."""
@@ -466,9 +464,8 @@ class OffloadEngine(EngineEntries, EngineIterations, EngineReadouts, EngineSetti
         return dropped
 
     def _engine_refs(self, releasing: _StorageRecord) -> int:
-        """Tensors that the engine's records which will drop them hold on ``releasing``'s storage (a
-        layer's output that the next layer saves too has a record in each). A record not copied out
-        keeps its storage until backward, like any other holder."""
+        """Tensors that the engine's records which will drop them hold on ``releasing``'s storage (a layer's
+        output that the next layer saves too has a record in each); a record not copied out keeps it, as others do."""
         refs = 0
         for rec in self._by_impl.get(releasing.weak.cdata, ()):
             if rec.host is not None and rec.device is not None:
@@ -484,8 +481,10 @@ class OffloadEngine(EngineEntries, EngineIterations, EngineReadouts, EngineSetti
         for rec in todo:
             self._load(rec)  # a copy out joined in an earlier capture needs no wait (Streams.join)
 
-    def _load(self, rec: _StorageRecord, stop: int | None = None) -> None:  # resident once whole
-        if rec.copy_in(stop) and rec.iteration == self.iteration:
+    def _load(self, rec: _StorageRecord, stop: int | None = None) -> None:  # resident from its first piece, which
+        first = rec.loading is None  # allocates all of its block
+        rec.copy_in(stop)
+        if first and rec.iteration == self.iteration:
             self.resident_bytes += rec.nbytes
 
     def _reload_layer(self, layer: int, why: str) -> None:
@@ -595,6 +594,7 @@ class OffloadEngine(EngineEntries, EngineIterations, EngineReadouts, EngineSetti
                 self.live_views -= 1
                 self._graph_dropped = self._graph_dropped or not used
             if rec.views == 0 and not rec.aborted:
-                if rec.device is not None and rec.queued == rec.nbytes and rec.iteration == self.iteration:
-                    self.resident_bytes -= rec.nbytes  # counted once all of it was queued
+                held = rec.device is not None or rec.loaded  # whole on the device, or a reload's block
+                if held and rec.queued == rec.nbytes and rec.iteration == self.iteration:
+                    self.resident_bytes -= rec.nbytes  # counted once all of it was queued out
                 rec.free(self.capturing())

@@ -301,6 +301,8 @@ class EngineEntries:
         forked in a graph must end in it: spread evenly, the copies hide behind the backwards between the
         reload's start and the layer's own, as in an eager step, where a whole large storage would stretch
         the one graph that copies it. The tensors a backward reads first come first."""
+        if not self._deferred_reloads:  # an eager step, or nothing left to reload
+            return
         capturing, jobs, pending = self.capturing(), [], []
         for layer, records in self._deferred_reloads:
             left = [r for r in records if r.device is None and r.host is not None and not r.aborted]
