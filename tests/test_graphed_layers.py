@@ -200,11 +200,12 @@ def test_per_layer_scope_copies_a_storage_larger_than_a_share_in_pieces(monkeypa
 
 
 def test_per_layer_scope_spreads_several_layers_copies_evenly_over_the_graphs(monkeypatch):
-    """Three layers copying out at once: once all of them wait, each graph up to the last release copies
-    about as many bytes as the next (the copies of the layer released first first), where shares taken
-    layer by layer would crowd the graphs in which all three copy and leave the last ones idle; every
-    byte is queued before its release and the gradients stay bitwise."""
-    from offload_examples.core import entries
+    """Three layers copying out, and back, at once: from the first graph in which a copy can run, each
+    graph copies about as many bytes as the next (the layer due first first, room left for the layers
+    whose copies start later, as the last step counted them), where shares taken layer by layer would
+    crowd the graphs in which all three copy and leave the others idle; every byte is queued out before
+    its release and back before its backward, and the gradients stay bitwise."""
+    from offload_examples.core import engine as engine_module, entries
 
     monkeypatch.setattr(entries, "MIN_PIECE_BYTES", 256)
     n, k = 10, 3
@@ -216,11 +217,23 @@ def test_per_layer_scope_spreads_several_layers_copies_evenly_over_the_graphs(mo
     whole = [ctx.stats[j].offloaded_bytes for j in range(k)]
     ctx.set_capture_scope("layer")
     monkeypatch.setattr(type(ctx), "capturing", lambda self: True)
+    copy_in, back = engine_module._StorageRecord.copy_in, {}
+
+    def watched(rec, stop=None):  # bytes copied back in each backward's graph
+        graph = len(ctx._backwards)
+        back[graph] = back.get(graph, 0) + (stop or rec.nbytes) - rec.loaded
+        return copy_in(rec, stop)
+
+    monkeypatch.setattr(engine_module._StorageRecord, "copy_in", watched)
     queued = _watched_step(layers, x, ctx, sync, lambda: sum(_queued(ctx, j) for j in range(k)))
     per_graph = [b - a for a, b in zip([0] + queued, queued)]
-    steady = per_graph[k:n - 1]  # every layer waits from entry k on; the last release comes at entry n - 1
+    steady = per_graph[1:n - 1]  # from the first entry after a copy can start up to the last release
     assert max(steady) - min(steady) <= k * 256, per_graph  # even, to a piece's rounding
     assert [_queued(ctx, j) for j in range(k)] == whole, (queued, whole)
+    graphs = sorted(back)  # from the first reload's backward to the last offloaded layer's own
+    assert graphs == list(range(graphs[0], graphs[-1] + 1)) and len(graphs) > k, back
+    steady = [back[g] for g in graphs[:-k]]  # before the offloaded layers' own backwards
+    assert max(steady) - min(steady) <= k * 256 and sum(back.values()) == sum(whole), back
     assert all(torch.equal(a, b) for a, b in zip(plain, _grads(layers, x)))
 
 

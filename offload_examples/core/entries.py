@@ -249,11 +249,14 @@ class EngineEntries:
 
     def _start_deferred_offloads(self) -> None:
         """Per-layer graphs: queue copies of the layers whose forward ended in an earlier graph, spread over
-        the entries before each one's release (:func:`_even_rate`: all of a layer's bytes by the last), the
-        earliest release first, whole storages in the order they were saved and a piece of the next one
-        where a whole one would exceed the graph's share. They run beside this layer's forward, in its
-        graph, which joins them at its exit; replays run the graphs in the order they were captured, so
-        the copies read what the earlier graphs wrote."""
+        the entries before each one's release (:func:`_even_rate`: all of a layer's bytes by the last, and
+        room left for the layers still to run, which copy in these graphs too), the earliest release first,
+        whole storages in the order they were saved and a piece of the next one where a whole one would
+        exceed the graph's share. They run beside this layer's forward, in its graph, which joins them at
+        its exit; replays run the graphs in the order they were captured, so the copies read what the
+        earlier graphs wrote."""
+        if not self._deferred_offloads:  # an eager step, or nothing waiting
+            return
         entry, jobs, pending = self._entered, [], []
         for layer, deadline, started in self._deferred_offloads:
             if not started:
@@ -261,7 +264,10 @@ class EngineEntries:
             # looked up again at every entry: a storage freed or resized since is no longer copied
             records = self._half_copied(layer) + self._offload_candidates(layer)
             jobs.append((deadline - entry, layer, deadline, records, sum(r.nbytes - r.queued for r in records)))
-        budget = _even_rate([(job[0], job[-1]) for job in jobs])
+        # the layers still to run that will copy in these graphs too, as much as in the last step counted
+        coming = [(self._release_entry(j) - entry, self.counts.counted_bytes(j))
+                  for j in range(entry, self.model_layers - 1) if self.schedule.is_offloaded(j)]
+        budget = _even_rate([(job[0], job[-1]) for job in jobs] + coming)
         for _, layer, deadline, records, left in sorted(jobs, key=lambda job: job[:2]):
             self._copy_share(layer, records, min(budget, left))
             budget -= left - sum(r.nbytes - r.queued for r in records)
@@ -296,18 +302,22 @@ class EngineEntries:
     def _start_deferred_reloads(self, entry: int) -> None:
         """Per-layer graphs: copy back, in the graph of the backward of ``entry``, a share of the reloading
         layers' bytes, spread over the backwards left before each layer's own (:func:`_even_rate`: all of
-        it by the last), the layer whose backward comes first first, whole storages and pieces of large
-        ones as the copies out are. A layer's reload takes longer than one layer's backward, and a copy
-        forked in a graph must end in it: spread evenly, the copies hide behind the backwards between the
-        reload's start and the layer's own, as in an eager step, where a whole large storage would stretch
-        the one graph that copies it. The tensors a backward reads first come first."""
+        it by the last, and room left for the reloads still to start), the layer whose backward comes first
+        first, whole storages and pieces of large ones as the copies out are. A layer's reload takes longer
+        than one layer's backward, and a copy forked in a graph must end in it: spread evenly, the copies
+        hide behind the backwards between the reload's start and the layer's own, as in an eager step,
+        where a whole large storage would stretch the one graph that copies it. The tensors a backward
+        reads first come first."""
         if not self._deferred_reloads:  # an eager step, or nothing left to reload
             return
         capturing, jobs, pending = self.capturing(), [], []
         for layer, records in self._deferred_reloads:
             left = [r for r in records if r.device is None and r.host is not None and not r.aborted]
             jobs.append((entry - layer, layer, left, sum(r.nbytes - r.loaded for r in left)))
-        budget = _even_rate([(job[0], job[-1]) for job in jobs])
+        # the layers whose reloads start at a later backward copy in these graphs too
+        coming = [(entry - j, sum(r.nbytes for r in self._records[j] if r.device is None and r.host is not None))
+                  for j in range(entry) if self.layer_state[j] == LayerState.RELEASED]
+        budget = _even_rate([(job[0], job[-1]) for job in jobs] + coming)
         try:
             for _, layer, left, nbytes in sorted(jobs, key=lambda job: job[:2]):
                 for rec, stop in _paced(left, min(budget, nbytes), [r.loaded for r in left]):

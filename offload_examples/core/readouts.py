@@ -176,6 +176,10 @@ class LayerCounts:
         self._seen_outputs, self._all_hooked = [None] * n, True
         return [_copy(self._counted[j]) if j in self._carried else LayerStats() for j in range(n)]
 
+    def counted_bytes(self, layer: int) -> int:
+        """What ``layer`` offloaded in the last iteration that counted every layer (0 before one did)."""
+        return self._counted[layer].offloaded_bytes if self._counted is not None else 0
+
     def hooked(self, layer: int, offloaded: bool, stats: list[LayerStats]) -> bool:
         """Whether ``layer``'s entry installs the hooks; its carried stats are dropped if it does."""
         if offloaded or self._counted is None or self.every_iteration or outer_hooks() is not None:
