@@ -52,6 +52,8 @@ stored_sources = {
     # torchtune's gradients against a plain step, with and without deterministic kernels
     "torchtune-grads": "docs/evidence/h200-bench/torchtune_probe.txt",
     "torchtune-grads-det": "docs/evidence/h200-bench/torchtune_probe_deterministic.txt",
+    # model A-torch's plain step in a fresh process, without and with Transformer Engine imported
+    "attention-te": "docs/evidence/h200-bench/attention_with_te.txt",
     # the planner against pure offloading and pure recomputation, two models of 12 layers, one H200
     "planner-bench": "docs/evidence/h200-planner-bench/bench.json",
     # where the host time goes on Transformer Engine's launch-bound layers (model A, one H100)
