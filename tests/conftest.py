@@ -3,7 +3,12 @@ skipped where it is not, and fail instead of skipping when ``OFFLOAD_EXAMPLES_RE
 
 from __future__ import annotations
 
+import gc
+import io
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 # cuBLAS reads this when its first handle is made: set it before any test touches CUDA so that
 # GPU runs are bit-for-bit reproducible (the bitwise gradient tests depend on it).
@@ -30,8 +35,11 @@ if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
 
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected: only the tests that will run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # The docs tests last: the site builds in the background while the others run (background.py).
-    items.sort(key=lambda item: item.path.name == "test_docs.py")  # a stable sort: same order otherwise
+    # The notebooks' tests, then the docs tests, last: the notebooks' small runs (one after another) and the
+    # site's build run in the background while the others run (background.py). A test waiting for its job
+    # leaves a core idle, and the small runs take nearly as long as all the other tests: met any earlier,
+    # they are still running. A stable sort: the same order otherwise.
+    items.sort(key=lambda item: (item.path.name == "test_docs.py", item.path.name == "test_notebooks.py"))
     if not config.option.collectonly:
         if any("build" in item.fixturenames for item in items):
             background.start_docs_build()
@@ -43,6 +51,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True)  # pytest 7 has no wrapper=True
+def pytest_runtestloop():
+    """Run the tests with what collection left frozen. Each ``gc.collect()`` walks every object the collector
+    tracks, and the modules imported by then (torch, transformers, matplotlib, the tests) are most of them,
+    none garbage; the benchmark and the scenarios collect before every run they measure, dozens of times a
+    test. Frozen, those objects are left out of each collection; what the tests create is collected as before.
+    Unfrozen after the tests: ``gc.get_referrers`` does not see frozen objects, and Hypothesis, imported by its
+    plugin for the summary where no test imported it, asks it who refers to each random generator it registers."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -93,3 +117,42 @@ def te():
     import transformer_engine.pytorch as te
 
     return te
+
+
+@pytest.fixture(scope="session")
+def tiny_bench(tmp_path_factory):
+    """The tiny benchmark on the CPU, every strategy on models A and B at k = 1 and 2, and its outputs:
+    ``(config, results, folder, paths written)``. test_bench checks its rows and outputs, test_plan_bench the
+    planner's: a plan's rivals are the engine and checkpoint rows whatever else ran, so one run serves both."""
+    from offload_examples.instruments import bench
+
+    config = bench.BenchConfig.tiny(models=("A", "B"), ks=(1, 2))
+    results = bench.run(config, "cpu", stream=io.StringIO())
+    out = tmp_path_factory.mktemp("tiny_bench")
+    return config, results, out, bench.write_outputs(results, out)
+
+
+#: Options that keep a command's run short where its own tests run it whole (tests/test_long_context.py).
+SHORTER = {"long-context": ["--strategies", "checkpoint", "checkpoint + offload"]}
+
+
+@pytest.fixture(scope="session")
+def scenario_cli(tmp_path_factory):
+    """``scenario_cli(name)``: the scenario ``name`` run from the command line, small, on the CPU, its JSON
+    report written into a folder of its own; the finished process and the report's path. Each scenario runs
+    once: test_scenarios checks every run, test_fsdp and test_pipeline the fsdp and pipeline-dist ones further
+    (their ranks each start a fresh torch, most of such a run's time)."""
+    runs: dict[str, tuple[subprocess.CompletedProcess, Path]] = {}
+
+    def run(name: str) -> tuple[subprocess.CompletedProcess, Path]:
+        if name not in runs:
+            out = tmp_path_factory.mktemp(name) / f"{name}.json"
+            proc = subprocess.run(
+                [sys.executable, "-m", "offload_examples", name, "--small", "--device", "cpu", "--json", str(out),
+                 *SHORTER.get(name, [])],
+                capture_output=True, text=True, timeout=300,
+            )
+            runs[name] = proc, out
+        return runs[name]
+
+    return run

@@ -24,8 +24,9 @@ from offload_examples.instruments.timeline import achieved_gb_per_s, record_laye
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def _check_outputs(results: dict, out) -> None:
-    paths = bench.write_outputs(results, out)
+def _check_outputs(results: dict, out, paths=None) -> None:
+    """What ``write_outputs`` left in ``out`` (written here unless its ``paths`` are given)."""
+    paths = bench.write_outputs(results, out) if paths is None else paths
     data = json.loads((out / "bench.json").read_text())
     assert data["config"]["ks"] == list(results["config"]["ks"])
     md = (out / "bench.md").read_text()
@@ -52,9 +53,8 @@ def test_each_model_in_its_own_process_gives_the_same_report():
     assert "4/4 done" in out.getvalue()
 
 
-def test_bench_tiny_end_to_end(tmp_path):
-    config = bench.BenchConfig.tiny(models=("A", "B"), ks=(1, 2))
-    results = bench.run(config, "cpu", stream=io.StringIO())
+def test_bench_tiny_end_to_end(tiny_bench):
+    config, results, out, paths = tiny_bench  # every strategy on models A and B at k = 1 and 2 (conftest.py)
     for model in results["models"]:
         seen = {(r["strategy"], r["k"]): r for r in model["runs"]}
         assert seen[("no offload", 0)]["status"] == "ok"
@@ -77,7 +77,7 @@ def test_bench_tiny_end_to_end(tmp_path):
     assert results["models"][0]["timelines"]["engine k=2"], "the first model keeps a timeline"
     for model in results["models"]:  # the graphed column needs CUDA, and says so
         assert model["graphed"] == [{"k": 2, "status": "skipped", "reason": "CUDA graphs need CUDA"}]
-    _check_outputs(results, tmp_path)
+    _check_outputs(results, out, paths)
 
 
 def test_bench_cli_and_a_failing_strategy(tmp_path, monkeypatch, capsys):

@@ -90,10 +90,13 @@ def check_checkpointed(report: dict, config: FsdpConfig) -> None:
 
 
 @pytest.mark.slow
-def test_fsdp_offloading_changes_no_gradient_and_no_update():
-    config = small()
+def test_fsdp_offloading_changes_no_gradient_and_no_update(scenario_cli):
+    """The command line's small run on the CPU (test_scenarios checks it too): the ranks are spawned once."""
+    config = FsdpConfig.small()  # what --small runs
     assert config.reshard_after_forward and config.checkpoint is None
-    report = run(config, Launch("cpu"), progress=None)
+    proc, out = scenario_cli("fsdp")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    report = json.loads(out.read_text())
     check_ranks(report, config)
     for r in report["ranks"]:  # nothing recomputed: every offloaded byte nobody else holds comes off the peak
         assert r["theoretical_saving_bytes"] == r["offloaded_bytes"] - r["held_bytes"]

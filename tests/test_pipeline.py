@@ -21,9 +21,13 @@ def run_dist(tmp_path, *args: str) -> dict:
     return json.loads(out.read_text())
 
 
-def test_two_rank_gloo_pipeline_grads_equal(tmp_path):
-    report = run_dist(tmp_path, "--backend", "gloo", "--small")
-    assert report["grads_equal"]
+def test_two_rank_gloo_pipeline_grads_equal(scenario_cli):
+    """The command line's small run on the CPU, where ``--device cpu`` means ``--backend gloo`` (test_scenarios
+    checks it too): the ranks are spawned once."""
+    proc, out = scenario_cli("pipeline-dist")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    report = json.loads(out.read_text())
+    assert report["backend"] == "gloo" and report["grads_equal"]
     for r in report["ranks"]:
         assert r["grads_equal"] and r["grads_compared"] > 0, r["rank"]
         assert r["order_followed"], f"rank {r['rank']} did not run 1F1B in the order the schedule assumed"

@@ -20,9 +20,12 @@ PURE_AND_PLANNER = ("no offload", "engine", "checkpoint", "planner")
 
 
 @pytest.fixture(scope="module")
-def tiny_results():
-    config = bench.BenchConfig.tiny(models=("A", "B"), ks=(1, 2), strategies=PURE_AND_PLANNER)
-    return config, bench.run(config, "cpu", stream=io.StringIO())
+def tiny_results(tiny_bench):
+    """The tiny benchmark of conftest.py: the planner on models A and B at k = 1 and 2 among every strategy,
+    its rivals the engine and checkpoint rows (the other strategies' rows are not read)."""
+    config, results, _, _ = tiny_bench
+    assert set(PURE_AND_PLANNER) <= set(config.strategies)
+    return config, results
 
 
 def test_planner_runs_one_plan_per_budget(tiny_results):
@@ -85,14 +88,13 @@ def test_planner_checks_report_every_run(tiny_results):
         assert (vs["strategy"], vs["k"]) == (run["budget_from"], run["k"])
 
 
-def test_planner_outputs(tiny_results, tmp_path):
-    _, results = tiny_results
-    paths = bench.write_outputs(results, tmp_path)
-    assert (tmp_path / "planner_pareto.png") in paths
-    assert (tmp_path / "planner_pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    md = (tmp_path / "bench.md").read_text()
+def test_planner_outputs(tiny_bench):
+    _, results, out, paths = tiny_bench  # paths: what bench.write_outputs(results, out) returned
+    assert (out / "planner_pareto.png") in paths
+    assert (out / "planner_pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (out / "bench.md").read_text()
     assert "### Planner" in md and "| planner (engine's budget) |" in md
-    data = json.loads((tmp_path / "bench.json").read_text())
+    data = json.loads((out / "bench.json").read_text())
     assert len(data["planner_checks"]) == len(results["planner_checks"])
 
 

@@ -17,25 +17,16 @@ from offload_examples.instruments.report import CPU_TIMING_NOTE
 from offload_examples.scenarios import SCENARIOS
 
 
-#: Options that keep a command's run short where its own tests run it whole (tests/test_long_context.py).
-SHORTER = {"long-context": ["--strategies", "checkpoint", "checkpoint + offload"]}
-
-
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_scenario_cli_runs_small_and_is_correct(name, tmp_path):
-    out = tmp_path / f"{name}.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "offload_examples", name, "--small", "--device", "cpu", "--json", str(out),
-         *SHORTER.get(name, [])],
-        capture_output=True, text=True, timeout=300,
-    )
+def test_scenario_cli_runs_small_and_is_correct(name, scenario_cli):
+    proc, out = scenario_cli(name)  # python -m offload_examples NAME --small --device cpu --json OUT (conftest.py)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "equal" in proc.stdout  # the table, with its gradient column, was printed
     if name != "pipeline-dist":  # which shows no step times on a CPU
         assert CPU_TIMING_NOTE in proc.stdout  # the step times are not passed off as a measurement
     assert "NumPy" not in proc.stderr  # no "Failed to initialize NumPy" warning
     report = json.loads(out.read_text())
-    assert [p.name for p in tmp_path.iterdir()] == [out.name]  # written whole: no temporary file left beside it
+    assert [p.name for p in out.parent.iterdir()] == [out.name]  # written whole: no temporary file left beside it
     assert report["grads_equal"] is True
     assert report.get("resident_matches_theory", True) is True
     offloaded = report.get("offloaded_bytes") or sum(
@@ -98,35 +89,44 @@ def test_the_loops_to_copy_train_on_the_cpu():
         assert all(not torch.equal(a, b) for a, b in zip(before, layers.parameters())), train.__module__
 
 
-def _train_on_rank(rank: int, device: torch.device, name: str) -> dict:
-    """One rank of a multi-process scenario's ``train``: whether every weight of the rank moved."""
-    from offload_examples.scenarios import fsdp, pipeline_dist
+def _train_on_rank(rank: int, device: torch.device) -> dict:
+    """One rank of each multi-process scenario's ``train``, one after the other in the same process group:
+    whether every weight of the rank moved, by scenario."""
+    return {"fsdp": _fsdp_moved(rank, device), "pipeline-dist": _pipeline_moved(rank, device)}
+
+
+def _fsdp_moved(rank: int, device: torch.device) -> bool:
+    from offload_examples.scenarios import fsdp
 
     torch.manual_seed(0)
-    if name == "fsdp":
-        layers = build_basic_model(2, 16, 2, 32, kind="torch", device=device)
-        before = _weights(layers)
-        fsdp.train(layers, [torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(rank)) for _ in range(2)],
-                   offload=1)
-        after = [p.full_tensor() for p in layers.parameters()]  # FSDP's parameters are sharded
-    else:
-        cfg = pipeline_dist.DistConfig.small()
-        model = build_basic_model(cfg.stages * cfg.layers_per_stage, cfg.hidden, cfg.heads, cfg.ffn, kind="torch")
-        layers = torch.nn.ModuleList(model[rank * cfg.layers_per_stage:(rank + 1) * cfg.layers_per_stage])
-        before = _weights(layers)
-        batches = [torch.randn(cfg.microbatches * cfg.micro_batch, cfg.seq, cfg.hidden) for _ in range(3)]
-        pipeline_dist.train(layers, batches, cfg, rank, device)
-        after = list(layers.parameters())
-    return {"moved": all(not torch.equal(a, b) for a, b in zip(before, after))}
+    layers = build_basic_model(2, 16, 2, 32, kind="torch", device=device)
+    before = _weights(layers)
+    fsdp.train(layers, [torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(rank)) for _ in range(2)],
+               offload=1)
+    after = [p.full_tensor() for p in layers.parameters()]  # FSDP's parameters are sharded
+    return all(not torch.equal(a, b) for a, b in zip(before, after))
 
 
-@pytest.mark.parametrize("name", ["fsdp", "pipeline-dist"])
-def test_the_loops_to_copy_train_on_two_cpu_ranks(name):
-    """The multi-process scenarios' ``train``, on two gloo ranks: every rank's weights move."""
+def _pipeline_moved(rank: int, device: torch.device) -> bool:
+    from offload_examples.scenarios import pipeline_dist
+
+    torch.manual_seed(0)
+    cfg = pipeline_dist.DistConfig.small()
+    model = build_basic_model(cfg.stages * cfg.layers_per_stage, cfg.hidden, cfg.heads, cfg.ffn, kind="torch")
+    layers = torch.nn.ModuleList(model[rank * cfg.layers_per_stage:(rank + 1) * cfg.layers_per_stage])
+    before = _weights(layers)
+    batches = [torch.randn(cfg.microbatches * cfg.micro_batch, cfg.seq, cfg.hidden) for _ in range(3)]
+    pipeline_dist.train(layers, batches, cfg, rank, device)
+    return all(not torch.equal(a, b) for a, b in zip(before, layers.parameters()))
+
+
+def test_the_loops_to_copy_train_on_two_cpu_ranks():
+    """The multi-process scenarios' ``train``, each on the same two gloo ranks: every rank's weights move.
+    Both loops share the ranks, whose start (a fresh torch each) is most of the time."""
     from offload_examples.instruments.spawn import Launch, run_ranks
 
-    ranks = run_ranks(_train_on_rank, (name,), 2, Launch("cpu"), timeout_s=300)
-    assert [r["moved"] for r in ranks] == [True, True]
+    ranks = run_ranks(_train_on_rank, (), 2, Launch("cpu"), timeout_s=300)
+    assert ranks == [{"fsdp": True, "pipeline-dist": True}] * 2, ranks
 
 
 @pytest.mark.gpu
