@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 # cuBLAS reads this when its first handle is made: set it before any test touches CUDA so that
 # GPU runs are bit-for-bit reproducible (the bitwise gradient tests depend on it).
@@ -119,11 +120,11 @@ def te():
     return te
 
 
-@pytest.fixture(scope="session")
-def tiny_bench(tmp_path_factory):
-    """The tiny benchmark on the CPU, every strategy on models A and B at k = 1 and 2, and its outputs:
-    ``(config, results, folder, paths written)``. test_bench checks its rows and outputs, test_plan_bench the
-    planner's: a plan's rivals are the engine and checkpoint rows whatever else ran, so one run serves both."""
+#: Runs that several test files check, each made once in a test run: name -> what it gave.
+_ONCE: dict[str, Any] = {}
+
+
+def _tiny_bench(tmp_path_factory: pytest.TempPathFactory) -> tuple:
     from offload_examples.instruments import bench
 
     config = bench.BenchConfig.tiny(models=("A", "B"), ks=(1, 2))
@@ -132,27 +133,40 @@ def tiny_bench(tmp_path_factory):
     return config, results, out, bench.write_outputs(results, out)
 
 
+@pytest.fixture(scope="module")
+def tiny_bench(tmp_path_factory):
+    """The tiny benchmark on the CPU, every strategy on models A and B at k = 1 and 2, and its outputs:
+    ``(config, results, folder, paths written)``. test_bench checks its rows and outputs, test_plan_bench the
+    planner's: a plan's rivals are the engine and checkpoint rows whatever else ran, so one run serves both."""
+    if "tiny bench" not in _ONCE:
+        _ONCE["tiny bench"] = _tiny_bench(tmp_path_factory)
+    return _ONCE["tiny bench"]
+
+
 #: Options that keep a command's run short where its own tests run it whole (tests/test_long_context.py).
 SHORTER = {"long-context": ["--strategies", "checkpoint", "checkpoint + offload"]}
 
 
-@pytest.fixture(scope="session")
+def _scenario_run(name: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path_factory.mktemp(name) / f"{name}.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "offload_examples", name, "--small", "--device", "cpu", "--json", str(out),
+         *SHORTER.get(name, [])],
+        capture_output=True, text=True, timeout=300,
+    )
+    return proc, out
+
+
+@pytest.fixture(scope="module")
 def scenario_cli(tmp_path_factory):
     """``scenario_cli(name)``: the scenario ``name`` run from the command line, small, on the CPU, its JSON
     report written into a folder of its own; the finished process and the report's path. Each scenario runs
-    once: test_scenarios checks every run, test_fsdp and test_pipeline the fsdp and pipeline-dist ones further
-    (their ranks each start a fresh torch, most of such a run's time)."""
-    runs: dict[str, tuple[subprocess.CompletedProcess, Path]] = {}
+    once in a test run: test_scenarios checks every run, test_fsdp and test_pipeline the fsdp and pipeline-dist
+    ones further (their ranks each start a fresh torch, most of such a run's time)."""
 
     def run(name: str) -> tuple[subprocess.CompletedProcess, Path]:
-        if name not in runs:
-            out = tmp_path_factory.mktemp(name) / f"{name}.json"
-            proc = subprocess.run(
-                [sys.executable, "-m", "offload_examples", name, "--small", "--device", "cpu", "--json", str(out),
-                 *SHORTER.get(name, [])],
-                capture_output=True, text=True, timeout=300,
-            )
-            runs[name] = proc, out
-        return runs[name]
+        if name not in _ONCE:
+            _ONCE[name] = _scenario_run(name, tmp_path_factory)
+        return _ONCE[name]
 
     return run
