@@ -213,9 +213,9 @@ def measure_stage_steps(cases: Mapping[str, tuple[Callable[[], None], nn.Module]
     ``params`` holds the stage's parameters, shared by the cases. First each case's step that also
     infers shapes, outside the context; then ``steps + 1`` rounds, one step of each case in each,
     the first round a warm-up and the last recording memory at every phase start; then one more step
-    of each case under deterministic kernels. The cases take turns step by step, and at which goes
-    first (every rank the same way, as a pipeline's ranks must), so that drift of the GPU or the host
-    meets all of them alike.
+    of each case under deterministic kernels. The cases take turns step by step in the
+    :func:`balanced_orders` (every rank the same way, as a pipeline's ranks must), so that drift of the
+    GPU or the host meets all of them alike.
 
     Returns
     -------
@@ -232,9 +232,9 @@ def measure_stage_steps(cases: Mapping[str, tuple[Callable[[], None], nn.Module]
         stage.offloading = False
         step()
         stage.offloading = True
-    names = list(cases)
+    names, orders = list(cases), balanced_orders(len(cases))
     for i in range(steps + 1):  # the first round is a warm-up
-        for name in names if i % 2 == 0 else names[::-1]:
+        for name in (names[j] for j in orders[i % len(orders)]):
             step, stage = cases[name]
             ms, peak = _stage_step(step, stage, params, cuda, record_memory=i == steps)
             if i and cuda:
