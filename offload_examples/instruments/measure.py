@@ -178,10 +178,16 @@ def measure_steps(
 
     ``step`` replaces :func:`training_step` (a pipeline order, a manual schedule); it runs
     forward and backward and returns the output.
+
+    On CUDA the allocator's cached blocks are given back first (:func:`free_memory`): blocks that
+    earlier work left free are handed out larger than asked, so without that the peak would depend
+    on what the process ran before, by hundreds of MiB on a full-size model.
     """
     if steps < 1 or warmup < 0:
         raise ValueError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
     cuda = x.is_cuda
+    if cuda:
+        free_memory()
     run = step if step is not None else (lambda: training_step(model, x, ctx, sync))
     times: list[float] = []
     peak = baseline = None
@@ -437,6 +443,21 @@ def free_memory(*, pinned: bool = False) -> None:
     torch.cuda.empty_cache()
     if pinned and (host_empty := getattr(torch._C, "_host_emptyCache", None)) is not None:  # torch >= 2.5
         host_empty()
+
+
+def requested_bytes() -> int:
+    """The bytes CUDA tensors asked the caching allocator for, now. ``memory_allocated`` counts the
+    blocks handed out instead, and a block may be up to 1 MiB larger than asked (a remainder that
+    small is not split off): which blocks are free depends on everything the process ran before, so
+    a difference of a few MiB measured that way moves from one run to the next."""
+    return torch.cuda.memory_stats().get("requested_bytes.all.current", 0)
+
+
+def graph_pools_bytes() -> int:
+    """Bytes the caching allocator holds in CUDA graphs' private pools, free or not. A capture's pool
+    is the growth of this across it; the growth of ``memory_reserved`` would also count eager work
+    around the capture, as much as the blocks left free by earlier work do not absorb it."""
+    return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) != (0, 0))
 
 
 @contextlib.contextmanager
