@@ -328,6 +328,29 @@ def _pipeline_notebook_run(d: Data) -> tuple[str, ...]:
     return tuple(without for without, _ in rows) + tuple(overhead for _, overhead in rows)
 
 
+PIPELINE_REPEATS = f"{EVIDENCE}/2xh200-nccl/pipeline_dist_repeats.json"
+
+
+def _rank0_ranges(steps: list[tuple[float, float]]) -> tuple[str, ...]:
+    """Fastest and slowest of rank 0's steps without offloading, then with it (ms), over runs."""
+    without, with_ = zip(*steps)
+    return tuple(_f(v, 1) for v in (min(without), max(without), min(with_), max(with_)))
+
+
+def _pipeline_repeats(d: Data) -> list[tuple[float, float]]:
+    """The four further runs of the two-GPU pipeline: rank 0's median step without and with offloading."""
+    return [(run["report"]["ranks"][0]["no offload"]["step_ms"], run["report"]["ranks"][0]["offload"]["step_ms"])
+            for run in d.load(PIPELINE_REPEATS)["runs"]]
+
+
+def _pipeline_six_runs(d: Data) -> tuple[str, ...]:
+    """Rank 0's steps over the six runs: the four repeats, the stored run and notebook 03's (its table)."""
+    stored = d.load(PIPELINE_2GPU)["ranks"][0]
+    notebook = re.search(r"^0 .* ([\d.]+) / ([\d.]+) ms", d.load("notebooks/03_pipeline.ipynb"), re.M).groups()
+    return _rank0_ranges([*_pipeline_repeats(d), (stored["no offload"]["step_ms"], stored["offload"]["step_ms"]),
+                          tuple(float(v) for v in notebook)])
+
+
 GPU_TESTS = f"{EVIDENCE}/h200-gpu-tests"
 
 
@@ -363,10 +386,9 @@ def _long_context_turns(d: Data) -> tuple[str, ...]:
     return (f"{100 * (ratio - 1):+.1f}",)
 
 
-def _by_test(d: Data) -> dict[str, int]:
-    """The stored GPU suite with TE, test by test: {result: count} (``passed``, ``skipped``, ...)."""
-    results = [line.split("  ")[0] for line in d.load(f"{GPU_TESTS}/gpu_suite_te_by_test.txt").splitlines()]
-    return {r: results.count(r) for r in set(results)}
+def _suite_te(d: Data) -> dict[str, int]:
+    """The stored GPU suite with TE: pytest's summary line as {outcome: count}."""
+    return _summary(d.load(f"{GPU_TESTS}/gpu_suite_te.log"))
 
 
 def _soak_gpu_drift(d: Data) -> tuple[str, ...]:
@@ -374,16 +396,20 @@ def _soak_gpu_drift(d: Data) -> tuple[str, ...]:
     nothing failed."""
     asserted = _test_code("tests/test_reliability.py", r'assert max\(map\(abs, report\["drift"\]\)\) == (\d+)')
     lines = d.load(f"{GPU_TESTS}/gpu_suite_te_by_test.txt").splitlines()
-    soak = [line for line in lines if line.endswith("::test_soak_gpu")]
-    counts = _by_test(d)
-    return _claim(soak == ["passed  tests/test_reliability.py::test_soak_gpu"] and not counts.get("failed"),
-                  (asserted,), f"gpu_suite_te_by_test.txt: {soak}, {counts}")
+    soak = [line.split()[0] for line in lines if line.endswith(" call     tests/test_reliability.py::test_soak_gpu")]
+    counts = _suite_te(d)
+    return _claim(soak == ["passed"] and not counts.get("failed"), (asserted,), f"gpu_suite_te_by_test.txt: {soak}, {counts}")
 
 
-def _suite_by_test(d: Data) -> tuple[str, ...]:
-    counts = _by_test(d)
+def _suite_te_counts(d: Data) -> tuple[str, ...]:
+    """The suite with TE: passed and skipped, its seconds (rounded), and its longest test's seconds."""
+    text = d.load(f"{GPU_TESTS}/gpu_suite_te.log")
+    counts = _suite_te(d)
+    (seconds,) = re.findall(r" in ([\d.]+)s", text)
+    longest = max(float(line.split()[1].rstrip("s")) for line in d.load(f"{GPU_TESTS}/gpu_suite_te_by_test.txt").splitlines())
     return _claim(not counts.get("failed") and not counts.get("error"),
-                  (str(counts.get("passed", 0)), str(counts.get("skipped", 0))), f"gpu_suite_te_by_test.txt: {counts}")
+                  (str(counts.get("passed", 0)), str(counts.get("skipped", 0)), _f(float(seconds)), _f(longest)),
+                  f"gpu_suite_te.log: {counts}")
 
 
 def _te_gpu_bars(d: Data) -> tuple[str, ...]:
@@ -551,9 +577,10 @@ QUOTED = [
     Quoted("docs/reliability.md", "give up at least {} % of what their forwards hold (allocator's count); GPU bytes plus "
            "offloaded host bytes equal the bytes without offloading within {} % of the offloaded bytes",
            _te_gpu_bars, "the bars tests/test_te_gpu.py sets"),
-    Quoted("docs/reliability.md", "names the tests of the run's progress line in "
-           "`docs/evidence/h200-gpu-tests/gpu_suite_te.log`): {} passed, {} skipped", _suite_by_test,
-           "h200-gpu-tests/gpu_suite_te_by_test.txt: each test's result, counted"),
+    Quoted("docs/reliability.md", "`docs/evidence/h200-gpu-tests/gpu_suite_te_by_test.txt`): {} passed and {} skipped "
+           "(the NCCL pipeline test, which needs two GPUs) in {} s, the long-context search on a small model the "
+           "longest at {} s", _suite_te_counts,
+           "gpu_suite_te.log: pytest's summary line; gpu_suite_te_by_test.txt: the longest test's seconds"),
     Quoted("docs/reliability.md", "the GPU tests of the pipeline and FSDP files: {} passed",
            _suite(f"{EVIDENCE}/2xh200-nccl/tests_2gpu.log", "passed"), "tests_2gpu.log: pytest's summary line"),
     # docs/planner.md
@@ -597,7 +624,16 @@ QUOTED = [
     Quoted("notebooks/03_pipeline.ipynb",
            "on rank 1, an overhead of {}% and {}% (quartiles {}% .. {}% and {}% .. {}%)", _pipeline_2gpu_costs,
            "pipeline_dist_nccl.json: each rank's overhead, then its overhead_quartiles"),
+    Quoted("notebooks/03_pipeline.ipynb", "measured {} to {} ms without offloading on rank 0 and {} to {} ms with",
+           lambda d: _rank0_ranges(_pipeline_repeats(d)),
+           "pipeline_dist_repeats.json: fastest and slowest of rank 0's step_ms without, then with offloading"),
+    Quoted("notebooks/03_pipeline.ipynb", "step without offloading spread from {} to {} ms and its step with "
+           "offloading from {} to {} ms", _pipeline_six_runs,
+           "rank 0's step_ms over pipeline_dist_repeats.json, pipeline_dist_nccl.json and the notebook's table"),
     # docs/api/scenarios/basic.md (the stored two-GPU run's figures are {stored} values)
+    Quoted("docs/api/scenarios/basic.md", "gave rank 0 {} to {} ms without offloading and {} to {} ms with it",
+           lambda d: _rank0_ranges(_pipeline_repeats(d)),
+           "pipeline_dist_repeats.json: fastest and slowest of rank 0's step_ms without, then with offloading"),
     Quoted("docs/api/scenarios/basic.md",
            "longer steps without offloading ({} and {} ms) and so an overhead of only {} % and {} %",
            _pipeline_notebook_run,

@@ -181,7 +181,7 @@ def measure_steps(
 
     On CUDA the allocator's cached blocks are given back first (:func:`free_memory`): blocks that
     earlier work left free are handed out larger than asked, so without that the peak would depend
-    on what the process ran before, by hundreds of MiB on a full-size model.
+    on what the process ran before.
     """
     if steps < 1 or warmup < 0:
         raise ValueError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
