@@ -519,6 +519,7 @@ def _graphed_step(kind: str, backend: str, dropout: float, cuda, offload: bool, 
     x.grad = None
     torch.cuda.synchronize()
     gc.collect()
+    torch.cuda.empty_cache()  # dead graphs' pools stay in the count until the cache is emptied
     before = graph_pools_bytes()  # the graphs' own pool: not the warm-up's blocks in the default one
     graphed = make_graphed_layers(list(layers), x, ctx, sync, backend=backend, **graph_options)
     pool = graph_pools_bytes() - before
