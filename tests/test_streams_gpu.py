@@ -13,8 +13,18 @@ import pytest
 import torch
 
 from offload_examples import get_cpu_offload_context
+from offload_examples.instruments.measure import free_memory
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _empty_cache():
+    """Each test starts from an empty CUDA cache: a block that earlier tests left cached for the side
+    stream could take the junk allocation instead of the block the engine gave back, and a broken
+    engine would pass."""
+    free_memory()
+    yield
 
 N = 1 << 22  # 16 MiB of float32: large enough to be offloaded, one exact block size
 
