@@ -135,3 +135,14 @@ def test_gpu_a_tensor_made_on_one_stream_and_saved_on_another_is_released_safely
         assert torch.equal(inp.grad, inp.detach()), "the copy out read memory the compute stream had reused"
         inp.grad = None
         del junk
+
+
+def test_gpu_copy_streams_are_none_of_the_streams_callers_draw(cuda):
+    """PyTorch's pooled streams come round again after 32 draws. However many a caller has drawn (the
+    compute streams of a pipeline, torch.cuda.graph's capture stream), none of them is one of the
+    engine's copy streams: copies on the caller's own stream would wait for its kernels."""
+    drawn = {torch.cuda.Stream(cuda) for _ in range(32)}  # every stream of the default-priority pool
+    for _ in range(40):  # more contexts than a pool holds streams
+        ctx, _ = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2, device=cuda)
+        assert not {ctx.streams.d2h, ctx.streams.h2d} & drawn
+        assert ctx.streams.d2h != ctx.streams.h2d and ctx.streams.d2h.priority < 0

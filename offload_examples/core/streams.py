@@ -93,8 +93,15 @@ class Streams:
             raise ValueError(f"offload_stream is a stream of {offload_stream.device}, but the offload device is "
                              f"{device}: pass a stream of {device}")
         if self.is_cuda:
-            self.d2h = offload_stream or torch.cuda.Stream(device)
-            self.h2d = torch.cuda.Stream(device)
+            # PyTorch hands out its pooled streams in turn, 32 of each priority, to whoever asks: a
+            # copy stream from the default-priority pool would, once in 32 draws, be the very stream
+            # the caller computes or captures on (its own torch.cuda.Stream(), torch.cuda.graph's
+            # capture stream), and the copies would queue behind the kernels instead of running
+            # beside them. Priority -2 has a pool of its own on GPUs with that many levels (Hopper
+            # has four), which neither default streams nor FSDP2's (priority -1) come from; priority
+            # orders kernels only, and these streams run copies.
+            self.d2h = offload_stream or torch.cuda.Stream(device, priority=-2)
+            self.h2d = torch.cuda.Stream(device, priority=-2)
         else:
             self.d2h = self.h2d = None
         #: Set to time every copy (the timeline's recorder); ``None`` costs nothing.
