@@ -34,7 +34,8 @@ COMMANDS = {**{name: importlib.import_module(module).main for name, module in SC
 PREFIX = {**{name: f"offload_examples {name}: error: " for name in SCENARIOS}, "bench": "offload_examples bench: error: "}
 PROFILE = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
-FLAGS = {"--small", "--tiny", "--no-plots", "--no-retain-pinned", "--reshard-after-forward", "--cpu-params"}
+FLAGS = {"--small", "--tiny", "--no-plots", "--no-retain-pinned", "--reshard-after-forward", "--cpu-params",
+         "--no-speeds"}
 POSITIVE = {"layers", "offload", "hidden", "heads", "ffn", "seq", "batch", "steps", "replays", "checks", "width", "ks", "world",
             "kv_heads", "vocab", "lora_rank", "loss_chunk", "resolution", "max_seq"}
 MAY_BE_ZERO = {"warmup", "seed", "checkpoint"}

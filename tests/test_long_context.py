@@ -175,6 +175,20 @@ def test_each_strategy_runs_and_its_adapter_gradients_equal_the_plain_ones(train
     assert len({group.split()[0] for group in setting.note.split(", ")}) > 1, setting.note
 
 
+def test_without_speeds_the_run_only_searches(hf):
+    """``--no-speeds``: each strategy's longest sequence, and no steps where they meet (at a length near
+    the longest, on a big model, each of those takes minutes)."""
+    from offload_examples.scenarios.long_context import LongContextConfig, format_report, run
+
+    config = LongContextConfig.small(**TINY, memory_limit=2 * 2**20, strategies=["no offload", "checkpoint"],
+                                     speeds=False)
+    report = run(config, CPU, progress=None)
+    assert 0 < report["strategies"]["no offload"]["longest"] < report["strategies"]["checkpoint"]["longest"]
+    met = report["common_seq"], report["at_common"], report["checkpoint_seq"], report["at_checkpoint"]
+    assert met == (0, {}, 0, {})
+    assert "tokens/s at" not in format_report(report)
+
+
 def test_the_run_finds_each_boundary_under_a_cpu_limit_and_writes_report_and_plot(hf, tmp_path):
     from offload_examples.scenarios.long_context import LongContextConfig, format_report, run
 
@@ -244,7 +258,8 @@ def test_on_a_gpu_checkpointing_with_offload_runs_at_least_as_long_as_checkpoint
     from offload_examples.scenarios.long_context import LongContextConfig, run
 
     config = LongContextConfig(layers=8, hidden=1024, heads=8, kv_heads=2, ffn=3584, vocab=32000, resolution=1024,
-                               max_seq=65536, loss_chunk=1024, memory_limit=4 * 2**30, warmup=1, steps=1)
+                               max_seq=65536, loss_chunk=1024, memory_limit=4 * 2**30, warmup=1, steps=1,
+                               speeds=False)  # nothing here asserts a speed; notebook 09 times them on the GPU
     report = run(config, cuda, progress=print)
     longest = {name: r["longest"] for name, r in report["strategies"].items()}
     assert 0 < longest["no offload"] < longest["checkpoint"] <= longest["checkpoint + offload"], longest

@@ -398,7 +398,8 @@ def _soak_gpu_drift(d: Data) -> tuple[str, ...]:
     lines = d.load(f"{GPU_TESTS}/gpu_suite_te_by_test.txt").splitlines()
     soak = [line.split()[0] for line in lines if line.endswith(" call     tests/test_reliability.py::test_soak_gpu")]
     counts = _suite_te(d)
-    return _claim(soak == ["passed"] and not counts.get("failed"), (asserted,), f"gpu_suite_te_by_test.txt: {soak}, {counts}")
+    return _claim(soak == ["passed"] and not counts.get("failed"), (asserted,),
+                  f"gpu_suite_te_by_test.txt: {soak}, {counts}")
 
 
 def _suite_te_counts(d: Data) -> tuple[str, ...]:
@@ -406,7 +407,8 @@ def _suite_te_counts(d: Data) -> tuple[str, ...]:
     text = d.load(f"{GPU_TESTS}/gpu_suite_te.log")
     counts = _suite_te(d)
     (seconds,) = re.findall(r" in ([\d.]+)s", text)
-    longest = max(float(line.split()[1].rstrip("s")) for line in d.load(f"{GPU_TESTS}/gpu_suite_te_by_test.txt").splitlines())
+    lines = d.load(f"{GPU_TESTS}/gpu_suite_te_by_test.txt").splitlines()
+    longest = max(float(line.split()[1].rstrip("s")) for line in lines)
     return _claim(not counts.get("failed") and not counts.get("error"),
                   (str(counts.get("passed", 0)), str(counts.get("skipped", 0)), _f(float(seconds)), _f(longest)),
                   f"gpu_suite_te.log: {counts}")

@@ -88,6 +88,7 @@ class LongContextConfig(Timing, ScenarioConfig):
     strategies: list[str] = field(default_factory=lambda: list(lc.STRATEGIES))
     plot: str | None = None  # where to write the plot (PNG), if anywhere
     progress_json: str | None = None  # where to write the report so far after each strategy, if anywhere
+    speeds: bool = True  # also time the strategies where they meet (the longest length all ran, checkpointing's)
 
     SMALL = dict(layers=8, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, dtype="float32", lora_rank=4,
                  loss_chunk=64, resolution=32, max_seq=2048, memory_limit=4 * 2**20, warmup=0, steps=1)
@@ -176,15 +177,9 @@ def _run(config: LongContextConfig, device: torch.device, say: Callable[[str], N
                              "tokens_per_s": best and best.tokens_per_s, "setting": best.note if best else "",
                              "probes": [dataclasses.asdict(p) for p in found.probes]}
             _save_progress(config, report)  # a search cut short keeps what it found
-        common = report["common_seq"] = min((r["longest"] for r in results.values() if r["longest"]), default=0)
-        ran = [name for name, r in results.items() if common and r["longest"]]
-        say(f"every strategy at {common} tokens, the longest all of them ran:")
-        report["at_common"] = probes.speeds_in_turns(trainee, ran, common, costs, limit, host, say,
-                                                     warmup=config.warmup, steps=config.steps) if ran else {}
-        _save_progress(config, report)
-        report["checkpoint_seq"], report["at_checkpoint"] = probes.at_checkpoints_longest(
-            trainee, costs, limit, host, results, say, warmup=config.warmup, steps=config.steps)
-        _save_progress(config, report)
+        if config.speeds:
+            probes.where_they_meet(trainee, costs, limit, host, report, say, lambda: _save_progress(config, report),
+                                   warmup=config.warmup, steps=config.steps)
     if config.plot:
         from offload_examples.instruments.plots import plot_longest_sequence
 
@@ -211,11 +206,13 @@ def format_report(report: dict[str, Any]) -> str:
     for name, r in report["strategies"].items():
         rows.append((name, f"{r['longest']:,}" + (" (the cap)" if r["capped"] else ""), format_bytes(r["peak_bytes"]),
                      format_bytes(r["host_bytes"]) if r["host_bytes"] else "-",
-                     f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-", speed(report["at_common"].get(name)),
+                     f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-",
+                     *([speed(report["at_common"].get(name))] if report["at_common"] else []),
                      *([speed(report["at_checkpoint"].get(name))] if report.get("at_checkpoint") else []),
                      "bitwise equal" if report["grads"][name]["equal"] else "DIFFER", r["setting"]))
     header = ("strategy", "longest sequence", "peak device memory", "pinned host", "tokens/s",
-              f"tokens/s at {common:,}", *([f"tokens/s at {ckpt:,}"] if report.get("at_checkpoint") else []),
+              *([f"tokens/s at {common:,}"] if report["at_common"] else []),
+              *([f"tokens/s at {ckpt:,}"] if report.get("at_checkpoint") else []),
               "gradients", "what ran at the longest")
     limit = format_bytes(report["memory_limit_bytes"]) if report["memory_limit_bytes"] else "none"
     return "\n".join([
@@ -246,5 +243,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         parser.add_argument("--progress-json", type=json_path_arg, metavar="PATH",
                             help="write the report so far into PATH after each strategy, so that a search cut "
                                  "short keeps what it found (default: nowhere)")
+        parser.add_argument("--no-speeds", dest="speeds", action="store_const", const=False,
+                            help="only search each strategy's longest sequence "
+                                 "(default: also time them where they meet)")
 
     return scenario_main("long-context", __doc__, LongContextConfig, run, format_report, argv, extra=options)

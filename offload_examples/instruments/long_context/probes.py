@@ -218,6 +218,24 @@ def at_checkpoints_longest(trainee: lc.Trainee, costs: lc.CostModel | None, limi
                                 steps=steps)
 
 
+def where_they_meet(trainee: lc.Trainee, costs: lc.CostModel | None, limit: int | None, host: int,
+                    report: dict[str, Any], say: Callable[[str], None], save: Callable[[], None], *,
+                    warmup: int = 1, steps: int = 1) -> None:
+    """Fill ``report``'s speeds where the searched strategies (its ``strategies``) meet: every one at the
+    longest length all of them ran (``common_seq``, ``at_common``), then checkpointing and those that ran
+    at least as long at checkpointing's longest (``checkpoint_seq``, ``at_checkpoint``); ``save`` after each."""
+    results = report["strategies"]
+    common = report["common_seq"] = min((r["longest"] for r in results.values() if r["longest"]), default=0)
+    ran = [name for name, r in results.items() if common and r["longest"]]
+    say(f"every strategy at {common} tokens, the longest all of them ran:")
+    report["at_common"] = speeds_in_turns(trainee, ran, common, costs, limit, host, say, warmup=warmup,
+                                          steps=steps) if ran else {}
+    save()
+    report["checkpoint_seq"], report["at_checkpoint"] = at_checkpoints_longest(
+        trainee, costs, limit, host, results, say, warmup=warmup, steps=steps)
+    save()
+
+
 def _turn_row(name: str, t: dict[str, Any]) -> tuple[str, ...]:
     """One strategy's steps taken in turns: tokens/s (median, slowest and fastest), and its step against
     the reference's with the quartiles and extremes over the rounds."""
