@@ -184,7 +184,7 @@ def test_planner_plans_fit_their_budgets_on_the_gpu(tmp_path):
     config = bench.BenchConfig(models=("A-torch",), ks=(2, 4), layers=8, steps=3, warmup=1,
                                strategies=PURE_AND_PLANNER, graphed=False)
     results = bench.run(config, "cuda", stream=io.StringIO())
-    bench.write_outputs(results, tmp_path)
+    bench.write_outputs(results, tmp_path, plots=False)  # the bench's short GPU run draws every plot
     checks = results["planner_checks"]
     assert len(checks) == 4
     for c in checks:
