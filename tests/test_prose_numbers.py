@@ -19,7 +19,6 @@ CPU only, no Sphinx build except one small project that checks the role itself.
 from __future__ import annotations
 
 import ast
-import functools
 import inspect
 import json
 import math
