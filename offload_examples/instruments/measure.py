@@ -446,10 +446,17 @@ def free_memory(*, pinned: bool = False) -> None:
 
 
 def requested_bytes() -> int:
-    """The bytes CUDA tensors asked the caching allocator for, now. ``memory_allocated`` counts the
-    blocks handed out instead, and a block may be up to 1 MiB larger than asked (a remainder that
-    small is not split off): which blocks are free depends on everything the process ran before, so
-    a difference of a few MiB measured that way moves from one run to the next."""
+    """The bytes CUDA tensors asked the caching allocator for, once the device is idle.
+
+    ``memory_allocated`` counts the blocks handed out instead, and a block may be up to 1 MiB larger
+    than asked (a remainder that small is not split off): which blocks are free depends on everything
+    the process ran before, so a difference of a few MiB measured that way moves from one run to the
+    next. A tensor freed while another stream still used it (``record_stream``, as the engine's copies
+    do) leaves the requested count only when the allocator next looks at its pending events, which it
+    does on an allocation: so this synchronizes and allocates one byte before reading.
+    """
+    torch.cuda.synchronize()
+    torch.empty(1, dtype=torch.uint8, device="cuda")  # an allocation: the allocator retires finished streams' frees
     return torch.cuda.memory_stats().get("requested_bytes.all.current", 0)
 
 
