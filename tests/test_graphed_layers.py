@@ -499,7 +499,7 @@ def _fp8_options(recipe: str) -> dict:
     if recipe == "bf16":
         return {}
     names = inspect.signature(te.make_graphed_callables).parameters
-    on, which = ("fp8_enabled", "fp8_recipe") if "fp8_enabled" in names else ("enabled", "recipe")
+    on, which = ("enabled", "recipe") if "recipe" in names else ("fp8_enabled", "fp8_recipe")  # newer names first
     return {on: True, which: getattr(recipes, recipe)()}
 
 

@@ -365,6 +365,13 @@ def _summary(text: str) -> dict[str, int]:
     return {outcome: int(n) for n, outcome in re.findall(r"(\d+) (\w+)", line.split(" in ")[0].strip("= "))}
 
 
+def _summaries(text: str) -> list[tuple[dict[str, int], float]]:
+    """Each pass's summary line of a log of ``tests/repeat.py``: ({outcome: count}, seconds) per pass."""
+    lines = re.findall(r"^(?:=+ )?((?:\d+ \w+, )*\d+ \w+) in ([\d.]+)s.*$", text, re.M)
+    return [({outcome: int(n) for n, outcome in re.findall(r"(\d+) (\w+)", counts)}, float(seconds))
+            for counts, seconds in lines]
+
+
 LONG_CONTEXT = f"{EVIDENCE}/h200-long-context"
 
 
@@ -385,32 +392,38 @@ def _long_context_turns(d: Data) -> tuple[str, ...]:
     return (f"{100 * (ratio - 1):+.1f}",)
 
 
-def _suite_te(d: Data) -> dict[str, int]:
-    """The stored GPU suite with TE: pytest's summary line as {outcome: count}."""
-    return _summary(d.load(f"{GPU_TESTS}/gpu_suite_te.log"))
+def _suite_green(d: Data, name: str) -> bool:
+    """A stored repeated GPU suite (``gpu_suite_<name>.log``): three passes, none failed, all exit codes 0."""
+    text = d.load(f"{GPU_TESTS}/gpu_suite_{name}.log")
+    passes = _summaries(text)
+    return (len(passes) == 3 and "exit codes of the 3 runs: [0, 0, 0]" in text
+            and not any(c.get("failed") or c.get("error") for c, _ in passes))
 
 
 def _soak_gpu_drift(d: Data) -> tuple[str, ...]:
-    """The drift test_soak_gpu asserts; the claim that it holds on a GPU: the suite with TE ran it and
-    nothing failed."""
+    """The drift test_soak_gpu asserts; the claim that it holds on a GPU: each of the three passes with TE
+    ran it and nothing failed."""
     asserted = _test_code("tests/test_reliability.py", r'assert max\(map\(abs, report\["drift"\]\)\) == (\d+)')
     lines = d.load(f"{GPU_TESTS}/gpu_suite_te_by_test.txt").splitlines()
     soak = [line.split()[0] for line in lines if line.endswith(" call     tests/test_reliability.py::test_soak_gpu")]
-    counts = _suite_te(d)
-    return _claim(soak == ["passed"] and not counts.get("failed"), (asserted,),
-                  f"gpu_suite_te_by_test.txt: {soak}, {counts}")
+    return _claim(soak == ["passed"] * 3 and _suite_green(d, "te"), (asserted,),
+                  f"gpu_suite_te_by_test.txt: {soak}")
 
 
-def _suite_te_counts(d: Data) -> tuple[str, ...]:
-    """The suite with TE: passed and skipped, its seconds (rounded), and its longest test's seconds."""
-    text = d.load(f"{GPU_TESTS}/gpu_suite_te.log")
-    counts = _suite_te(d)
-    (seconds,) = re.findall(r" in ([\d.]+)s", text)
-    lines = d.load(f"{GPU_TESTS}/gpu_suite_te_by_test.txt").splitlines()
-    longest = max(float(line.split()[1].rstrip("s")) for line in lines)
-    return _claim(not counts.get("failed") and not counts.get("error"),
-                  (str(counts.get("passed", 0)), str(counts.get("skipped", 0)), _f(float(seconds)), _f(longest)),
-                  f"gpu_suite_te.log: {counts}")
+def _suite_passes(name: str) -> Callable[[Data], tuple[str, ...]]:
+    """A repeated GPU suite: passed and skipped (the same in every pass), each pass's seconds (rounded) and
+    the longest test's seconds."""
+    def numbers(d: Data) -> tuple[str, ...]:
+        passes = _summaries(d.load(f"{GPU_TESTS}/gpu_suite_{name}.log"))
+        counts = {(c.get("passed"), c.get("skipped")) for c, _ in passes}
+        lines = d.load(f"{GPU_TESTS}/gpu_suite_{name}_by_test.txt").splitlines()
+        longest = max(float(line.split()[1].rstrip("s")) for line in lines)
+        first = passes[0][0] if passes else {}
+        return _claim(_suite_green(d, name) and len(counts) == 1,
+                      (str(first.get("passed", 0)), str(first.get("skipped", 0)),
+                       *(_f(seconds) for _, seconds in passes), _f(longest)),
+                      f"gpu_suite_{name}.log: {passes}")
+    return numbers
 
 
 def _te_gpu_bars(d: Data) -> tuple[str, ...]:
@@ -578,10 +591,14 @@ QUOTED = [
     Quoted("docs/reliability.md", "give up at least {} % of what their forwards hold (allocator's count); GPU bytes plus "
            "offloaded host bytes equal the bytes without offloading within {} % of the offloaded bytes",
            _te_gpu_bars, "the bars tests/test_te_gpu.py sets"),
-    Quoted("docs/reliability.md", "`docs/evidence/h200-gpu-tests/gpu_suite_te_by_test.txt`): {} passed and {} skipped "
-           "(the NCCL pipeline test, which needs two GPUs) in {} s, the long-context search on a small model the "
-           "longest at {} s", _suite_te_counts,
-           "gpu_suite_te.log: pytest's summary line; gpu_suite_te_by_test.txt: the longest test's seconds"),
+    Quoted("docs/reliability.md", "`docs/evidence/h200-gpu-tests/gpu_suite_te_by_test.txt`): each pass {} passed and {} "
+           "skipped (the NCCL pipeline test, which needs two GPUs), in {}, {} and {} s; the longest test took {} s",
+           _suite_passes("te"), "gpu_suite_te.log: pytest's summary line of each pass; gpu_suite_te_by_test.txt: "
+           "the longest test's seconds"),
+    Quoted("docs/reliability.md", "`docs/evidence/h200-gpu-tests/gpu_suite_no_te_by_test.txt`): each pass {} passed and {} "
+           "skipped (the Transformer Engine tests and the two-GPU pipeline test), in {}, {} and {} s; the longest test "
+           "took {} s", _suite_passes("no_te"), "gpu_suite_no_te.log: pytest's summary line of each pass; "
+           "gpu_suite_no_te_by_test.txt: the longest test's seconds"),
     Quoted("docs/reliability.md", "the GPU tests of the pipeline and FSDP files: {} passed",
            _suite(f"{EVIDENCE}/2xh200-nccl/tests_2gpu.log", "passed"), "tests_2gpu.log: pytest's summary line"),
     # docs/planner.md
