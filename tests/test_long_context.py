@@ -86,6 +86,41 @@ def test_the_search_stops_at_max_seq_and_at_a_first_refusal():
     assert nothing.longest == 0 and [p.ok for p in nothing.probes] == [False] and nothing.best is None
 
 
+def test_the_first_probe_is_a_sixty_fourth_of_the_longest_length_a_multiple_of_the_resolution():
+    assert search.first_probe(4096, 131072) == 4096  # the default search starts at one resolution
+    assert search.first_probe(2048, 131072) == 2048
+    assert search.first_probe(4096, 524288) == 8192
+    assert search.first_probe(100, 150) == 100  # at least one resolution
+    assert search.first_probe(3000, 1_000_000) == 15000
+
+
+def test_a_search_that_starts_where_the_length_sets_the_peak_predicts_the_limit_at_once(monkeypatch):
+    """Up to 4,096 tokens the peak is a fixed temporary's (a chunk of logits), so a slope measured there is
+    flat and the prediction overshoots: steps near the limit, minutes each on a GPU, are wasted. Started at
+    first_probe's length, the search runs the two short probes, the predicted length and the one above it."""
+    monkeypatch.setattr(search, "free_memory", lambda **_: None)
+    peak, limit = (lambda s: 10_000 + max(4096, s) * 10), 2_000_000  # 198,976 tokens fit
+    fits = (lambda s: peak(s) <= limit)
+    late = longest_sequence(_run_under(peak, limit), resolution=1024, max_seq=524288, limit_bytes=limit,
+                            first=search.first_probe(1024, 524288))
+    early = longest_sequence(_run_under(peak, limit), resolution=1024, max_seq=524288, limit_bytes=limit)
+    for result in (late, early):
+        _assert_boundary(result, fits)
+    assert [p.seq for p in late.probes] == [8192, 16384, 198656, 199680]
+    assert [p.ok for p in late.probes] == [True, True, True, False]
+    assert sum(p.seq > 100_000 for p in early.probes) > 2  # from one resolution: misses near the limit
+
+
+def test_a_first_probe_that_runs_out_of_memory_falls_back_to_one_resolution(monkeypatch):
+    monkeypatch.setattr(search, "free_memory", lambda **_: None)
+    peak, limit = (lambda s: 7 * s), 7 * 5000
+    result = longest_sequence(_run_under(peak, limit), resolution=512, max_seq=65536, limit_bytes=limit, first=8192)
+    _assert_boundary(result, lambda s: peak(s) <= limit)
+    assert [(p.seq, p.ok) for p in result.probes[:2]] == [(8192, False), (512, True)] and result.longest == 4608
+    with pytest.raises(ValueError, match="multiple of resolution"):
+        longest_sequence(_run_under(peak, limit), resolution=512, max_seq=65536, limit_bytes=limit, first=1000)
+
+
 def test_the_prediction_fits_a_line_then_a_parabola():
     assert predict_longest([(16, 160), (32, 320)], 1000, 16, 4096) == 96
     assert predict_longest([(10, 100), (20, 400), (30, 900)], 2600, 10, 4096) == 50

@@ -15,7 +15,7 @@ from typing import Any
 
 from offload_examples.instruments.long_context import strategies as lc
 from offload_examples.instruments.long_context.memory import OutOfMemoryError
-from offload_examples.instruments.long_context.search import Probe, SearchResult, longest_sequence
+from offload_examples.instruments.long_context.search import Probe, SearchResult, first_probe, longest_sequence
 from offload_examples.instruments.measure import (balanced_orders, balanced_rounds, compare_tensors, free_memory,
                                                   overhead_spread)
 from offload_examples.instruments.report import format_table
@@ -112,7 +112,8 @@ def search_strategy(trainee: lc.Trainee, name: str, costs: lc.CostModel | None, 
             return longest_for[budget()]
     with lc.strategy_mode(trainee, name):
         found = longest_sequence(probe, resolution=only or resolution, max_seq=only or max_seq,
-                                 limit_bytes=limit, predict=predict, progress=say, label=name)
+                                 limit_bytes=limit, predict=predict, progress=say, label=name,
+                                 first=only or first_probe(resolution, max_seq))
     found.setting = ran_with.get(found.longest)
     return found
 

@@ -3,12 +3,12 @@
 :func:`longest_sequence` probes lengths that are multiples of a resolution. Each probe runs a training
 step (``run(seq)``, which returns a :class:`Probe`); one that runs out of memory raises
 ``torch.OutOfMemoryError``, which the search catches: it frees what the failed step held
-(:func:`~offload_examples.instruments.measure.free_memory`) and goes on. The first two probes (one and
-two resolutions) measure how the step's peak memory grows with the length; a line through the successful
-probes' peaks (a parabola once three are known, for attention kernels whose memory grows with the square
-of the length) predicts the longest length under the limit, and the next probes confirm it: the
-predicted length, then its neighbours, until a length that runs sits one resolution below one that does
-not (or at ``max_seq``). A prediction that misses twice in a row gives way to bisection between the
+(:func:`~offload_examples.instruments.measure.free_memory`) and goes on. The first two probes (a length
+and twice it, :func:`first_probe`) measure how the step's peak memory grows with the length; a line
+through the successful probes' peaks (a parabola once three are known, for attention kernels whose memory
+grows with the square of the length) predicts the longest length under the limit, and the next probes
+confirm it: the predicted length, then its neighbours, until a length that runs sits one resolution below
+one that does not (or at ``max_seq``). A prediction that misses twice in a row gives way to bisection between the
 longest length that ran and the shortest that did not, and two successes in a row to steps that double,
 so the search ends after about ``log2(max_seq / resolution)`` probes at worst, and after three or four
 where memory grows as measured.
@@ -25,7 +25,7 @@ from offload_examples.instruments.long_context.memory import OutOfMemoryError
 from offload_examples.instruments.measure import free_memory
 from offload_examples.instruments.report import format_bytes
 
-__all__ = ["Probe", "SearchResult", "longest_multiple", "longest_sequence", "predict_longest"]
+__all__ = ["Probe", "SearchResult", "first_probe", "longest_multiple", "longest_sequence", "predict_longest"]
 
 
 @dataclass
@@ -83,6 +83,20 @@ def predict_longest(points: list[tuple[int, int]], limit_bytes: int | None, reso
                             resolution, max_seq)
 
 
+def first_probe(resolution: int, max_seq: int) -> int:
+    """The search's first length: a sixty-fourth of ``max_seq``, a multiple of ``resolution``, at least one.
+
+    The first two probes give the slope that predicts the limit. At lengths of a few thousand tokens the
+    step's peak is set by memory that does not grow with the length (a chunk of logits, the kernels'
+    workspaces), so a slope measured there falls short of the one near the limit, and the prediction
+    overshoots by tens of percent: each miss then costs a step at the longest lengths, which take minutes.
+    A sixty-fourth of the longest length tried is long enough for the length's own memory to set the
+    peak where ``max_seq`` is far beyond the short lengths, and its step takes a few seconds where one
+    near ``max_seq`` takes minutes (attention's work grows with the square of the length).
+    """
+    return max(resolution, max_seq // 64 // resolution * resolution)
+
+
 def longest_multiple(fits: Callable[[int], bool], resolution: int, max_seq: int) -> int:
     """The longest multiple of ``resolution``, at most ``max_seq``, for which ``fits`` holds (0 if none), by
     bisection: ``fits`` must hold for every length below one where it holds, as a peak that grows does."""
@@ -98,7 +112,8 @@ def longest_multiple(fits: Callable[[int], bool], resolution: int, max_seq: int)
 
 def longest_sequence(run: Callable[[int], Probe], *, resolution: int, max_seq: int, limit_bytes: int | None,
                      predict: Callable[[list[tuple[int, int]]], int] | None = None,
-                     progress: Callable[[str], None] | None = None, label: str = "") -> SearchResult:
+                     progress: Callable[[str], None] | None = None, label: str = "",
+                     first: int | None = None) -> SearchResult:
     """Search the longest length, a multiple of ``resolution`` up to ``max_seq``, at which ``run`` completes.
 
     ``run(seq)`` runs the training step at ``seq`` tokens and returns its :class:`Probe`; running out of
@@ -107,13 +122,18 @@ def longest_sequence(run: Callable[[int], Probe], *, resolution: int, max_seq: i
     the true boundary, provided the steps' memory grows with the length. ``predict`` replaces the fit
     (:func:`predict_longest`) for a strategy that changes what it does with the length, whose peaks lie
     on no one curve: given the ``(seq, peak_bytes)`` measured so far, it returns the longest length it
-    expects to run. ``progress`` gets one line per probe.
+    expects to run. ``progress`` gets one line per probe. ``first``: the first probe's length, a multiple of
+    ``resolution`` (default: one resolution; :func:`first_probe` picks one for long searches), the second
+    twice it; where ``first`` does not run, one resolution is tried next.
     """
     if resolution < 1 or max_seq < 1:
         raise ValueError(f"resolution and max_seq must be positive, got {resolution} and {max_seq}")
     if max_seq < resolution:
         raise ValueError(f"max_seq ({max_seq}) must be at least one resolution ({resolution})")
     max_seq -= max_seq % resolution
+    first = resolution if first is None else first
+    if first < resolution or first % resolution or first > max_seq:
+        raise ValueError(f"first ({first}) must be a multiple of resolution ({resolution}) up to max_seq ({max_seq})")
     say = progress or (lambda _: None)
     result = SearchResult(0, resolution)
     lo, hi = 0, max_seq + resolution  # the longest that ran, the shortest that did not (or past max_seq)
@@ -134,9 +154,11 @@ def longest_sequence(run: Callable[[int], Probe], *, resolution: int, max_seq: i
             hi, streak = min(hi, seq), min(streak, 0) - 1
         say(f"  [{label}] {why:>10} {seq:>8} tokens: " + (_ok_text(p) if p.ok else p.note))
 
-    probe(resolution, "first")
-    if lo and 2 * resolution <= max_seq:
-        probe(2 * resolution, "slope")
+    probe(first, "first")
+    if not lo and first > resolution:  # too long to start with: the shortest length then
+        probe(resolution, "shortest")
+    if lo and 2 * lo < hi and 2 * lo <= max_seq:
+        probe(2 * lo, "slope")
     up = resolution  # the step above the longest that ran, when the fit predicts nothing longer
     while lo and hi - lo > resolution:
         points = [(p.seq, p.peak_bytes) for p in result.probes if p.ok and p.peak_bytes is not None]
