@@ -20,7 +20,8 @@ import torch
 from offload_examples import get_cpu_offload_context
 from offload_examples.core.streams import Streams
 from offload_examples.features.graphs import make_graphed_layers
-from offload_examples.instruments.measure import deterministic_kernels, graph_pools_bytes, training_step
+from offload_examples.instruments.graph_variants import pool_growth
+from offload_examples.instruments.measure import deterministic_kernels, training_step
 from offload_examples.instruments.models import build_basic_model, build_linear_stack
 from offload_examples.instruments.te_compare import RECIPES
 
@@ -517,12 +518,8 @@ def _graphed_step(kind: str, backend: str, dropout: float, cuda, offload: bool, 
     for p in layers.parameters():
         p.grad = None
     x.grad = None
-    torch.cuda.synchronize()
-    gc.collect()
-    torch.cuda.empty_cache()  # dead graphs' pools stay in the count until the cache is emptied
-    before = graph_pools_bytes()  # the graphs' own pool: not the warm-up's blocks in the default one
-    graphed = make_graphed_layers(list(layers), x, ctx, sync, backend=backend, **graph_options)
-    pool = graph_pools_bytes() - before
+    # the graphs' own pool: not the warm-up's blocks in the default one
+    graphed, pool = pool_growth(lambda: make_graphed_layers(list(layers), x, ctx, sync, backend=backend, **graph_options))
     if offload:  # the graphs' memory plan released what the copies moved, layer by layer
         assert all(("release", j) in ctx.events for j in range(K)), ctx.events
         assert ctx.pool.graph_bytes == ctx.offloaded_bytes > 0

@@ -9,6 +9,7 @@ offloading, round by round. :func:`format_report` prints the rows and the checks
 
 from __future__ import annotations
 
+import gc
 import itertools
 import statistics
 from functools import partial
@@ -18,8 +19,8 @@ import torch
 
 from offload_examples.features.graphs import CapturedStep, _capture_stream, capture_step
 from offload_examples.instruments.measure import (
-    GradCheck, Measurement, Run, balanced_rounds, compare_grads, free_memory, measure_round_robin, measure_steps,
-    overhead_spread, snapshot, training_step,
+    GradCheck, Measurement, Run, balanced_rounds, compare_grads, free_memory, graph_pools_bytes, measure_round_robin,
+    measure_steps, overhead_spread, snapshot, training_step,
 )
 from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table
 
@@ -70,14 +71,18 @@ def memory_row(measured: int | None, reference: int | None = None, theory: int =
 
 
 def pool_growth(capture: Callable[[], T]) -> tuple[T, int]:
-    """Run ``capture`` from an emptied cache; its result and how much CUDA memory it reserved.
+    """Run ``capture``; its result and how much the CUDA graphs' private pools grew across it
+    (``graph_pools_bytes`` of :mod:`offload_examples.instruments.measure`).
 
-    The cache is emptied first because blocks cached by earlier steps would hold part of what a graph's
-    pool takes, and the growth would miss it."""
+    The pools alone are counted: the growth of all reserved memory would also count the eager warm-up
+    before the capture, as much as the blocks left free by earlier work do not absorb it. The cache is
+    emptied first (after a collection), since dead graphs' pools stay in the count until it is."""
+    gc.collect()
     free_memory()
-    reserved = torch.cuda.memory_reserved()
+    before = graph_pools_bytes()
     result = capture()
-    return result, torch.cuda.memory_reserved() - reserved
+    torch.cuda.synchronize()
+    return result, graph_pools_bytes() - before
 
 
 def warm_capture_stream(model: torch.nn.Module, x: torch.Tensor) -> None:
@@ -320,7 +325,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"seq {c['seq']}, batch {c['batch']}, {c['dtype']}; offloading {c['offload']} layers",
         _table(report["rows"], ("variant", "peak memory", "saving"), _memory_cells, missing),
         "memory: eager, the peak of its own steps; graphed, the peak during the capture;",
-        "per-layer graphs, what their shared pool reserved during the capture",
+        "per-layer graphs, what their shared pool grew by during the capture",
         _table(report["rows"], ("variant", "step time", "overhead of offloading (median, quartiles)"), _time_cells,
                missing),
         f"step times: {report['rounds']} rounds, the variants taking turns in each; overhead: round by",
