@@ -117,8 +117,20 @@ def test_a_first_probe_that_runs_out_of_memory_falls_back_to_one_resolution(monk
     result = longest_sequence(_run_under(peak, limit), resolution=512, max_seq=65536, limit_bytes=limit, first=8192)
     _assert_boundary(result, lambda s: peak(s) <= limit)
     assert [(p.seq, p.ok) for p in result.probes[:2]] == [(8192, False), (512, True)] and result.longest == 4608
-    with pytest.raises(ValueError, match="multiple of resolution"):
-        longest_sequence(_run_under(peak, limit), resolution=512, max_seq=65536, limit_bytes=limit, first=1000)
+    for bad in (1000, 0, 2048.0, 131072):
+        with pytest.raises(ValueError, match="whole multiple of resolution"):
+            longest_sequence(_run_under(peak, limit), resolution=512, max_seq=65536, limit_bytes=limit, first=bad)
+
+
+def test_one_length_that_ran_predicts_nothing_the_search_bisects(monkeypatch):
+    """The first probe ran and twice it did not: one peak says nothing of the slope, so the search bisects
+    between them and records no prediction (a fit through one point would say max_seq)."""
+    monkeypatch.setattr(search, "free_memory", lambda **_: None)
+    peak, limit = (lambda s: 7 * s), 7 * 9216
+    result = longest_sequence(_run_under(peak, limit), resolution=1024, max_seq=524288, limit_bytes=limit, first=8192)
+    _assert_boundary(result, lambda s: peak(s) <= limit)
+    assert result.predicted is None and result.longest == 9216
+    assert [p.seq for p in result.probes][:3] == [8192, 16384, 12288], result.probes
 
 
 def test_the_prediction_fits_a_line_then_a_parabola():

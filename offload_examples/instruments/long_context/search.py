@@ -9,9 +9,8 @@ through the successful probes' peaks (a parabola once three are known, for atten
 grows with the square of the length) predicts the longest length under the limit, and the next probes
 confirm it: the predicted length, then its neighbours, until a length that runs sits one resolution below
 one that does not (or at ``max_seq``). A prediction that misses twice in a row gives way to bisection between the
-longest length that ran and the shortest that did not, and two successes in a row to steps that double,
-so the search ends after about ``log2(max_seq / resolution)`` probes at worst, and after three or four
-where memory grows as measured.
+longest length that ran and the shortest that did not, and two successes in a row to steps that double:
+the search always ends, after three or four probes where memory grows as measured.
 """
 
 from __future__ import annotations
@@ -130,10 +129,12 @@ def longest_sequence(run: Callable[[int], Probe], *, resolution: int, max_seq: i
         raise ValueError(f"resolution and max_seq must be positive, got {resolution} and {max_seq}")
     if max_seq < resolution:
         raise ValueError(f"max_seq ({max_seq}) must be at least one resolution ({resolution})")
-    max_seq -= max_seq % resolution
     first = resolution if first is None else first
-    if first < resolution or first % resolution or first > max_seq:
-        raise ValueError(f"first ({first}) must be a multiple of resolution ({resolution}) up to max_seq ({max_seq})")
+    if not isinstance(first, int) or isinstance(first, bool) or first < resolution or first % resolution \
+            or first > max_seq:
+        raise ValueError(f"first ({first!r}) must be a whole multiple of resolution ({resolution}), at least one, "
+                         f"and at most max_seq ({max_seq})")
+    max_seq -= max_seq % resolution
     say = progress or (lambda _: None)
     result = SearchResult(0, resolution)
     lo, hi = 0, max_seq + resolution  # the longest that ran, the shortest that did not (or past max_seq)
@@ -162,6 +163,10 @@ def longest_sequence(run: Callable[[int], Probe], *, resolution: int, max_seq: i
     up = resolution  # the step above the longest that ran, when the fit predicts nothing longer
     while lo and hi - lo > resolution:
         points = [(p.seq, p.peak_bytes) for p in result.probes if p.ok and p.peak_bytes is not None]
+        if predict is None and len({s for s, _ in points}) < 2:  # one length says nothing of the slope
+            guess, why = (lo + hi) // 2 // resolution * resolution, "bisect"
+            probe(min(max(guess, lo + resolution), hi - resolution), why)
+            continue
         guess = predict(points) if predict is not None else predict_longest(points, limit_bytes, resolution, max_seq)
         guess -= guess % resolution
         if result.predicted is None:
