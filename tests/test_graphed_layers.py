@@ -519,7 +519,8 @@ def _graphed_step(kind: str, backend: str, dropout: float, cuda, offload: bool, 
         p.grad = None
     x.grad = None
     # the graphs' own pool: not the warm-up's blocks in the default one
-    graphed, pool = pool_growth(lambda: make_graphed_layers(list(layers), x, ctx, sync, backend=backend, **graph_options))
+    graphed, pool = pool_growth(lambda: make_graphed_layers(list(layers), x, ctx, sync, backend=backend,
+                                                            **graph_options))
     if offload:  # the graphs' memory plan released what the copies moved, layer by layer
         assert all(("release", j) in ctx.events for j in range(K)), ctx.events
         assert ctx.pool.graph_bytes == ctx.offloaded_bytes > 0

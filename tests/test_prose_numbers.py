@@ -359,17 +359,18 @@ def _test_code(rel: str, pattern: str) -> str:
     return found
 
 
-def _summary(text: str) -> dict[str, int]:
-    """pytest's last line: ``4 failed, 33 passed, 1 skipped, ...`` as {outcome: count}."""
-    (line,) = re.findall(r"^(?:=+ )?(?:\d+ \w+, )*\d+ \w+ in [\d.]+s.*$", text, re.M)
-    return {outcome: int(n) for n, outcome in re.findall(r"(\d+) (\w+)", line.split(" in ")[0].strip("= "))}
-
-
 def _summaries(text: str) -> list[tuple[dict[str, int], float]]:
-    """Each pass's summary line of a log of ``tests/repeat.py``: ({outcome: count}, seconds) per pass."""
+    """pytest's summary lines (one per pass of ``tests/repeat.py``), ``4 failed, 33 passed, 1 skipped, ... in
+    12.3s``, each as ({outcome: count}, seconds)."""
     lines = re.findall(r"^(?:=+ )?((?:\d+ \w+, )*\d+ \w+) in ([\d.]+)s.*$", text, re.M)
     return [({outcome: int(n) for n, outcome in re.findall(r"(\d+) (\w+)", counts)}, float(seconds))
             for counts, seconds in lines]
+
+
+def _summary(text: str) -> dict[str, int]:
+    """The one summary line of a log of one pytest run, as {outcome: count}."""
+    ((counts, _),) = _summaries(text)
+    return counts
 
 
 LONG_CONTEXT = f"{EVIDENCE}/h200-long-context"
@@ -595,8 +596,8 @@ QUOTED = [
            "skipped (the NCCL pipeline test, which needs two GPUs), in {}, {} and {} s; the longest test took {} s",
            _suite_passes("te"), "gpu_suite_te.log: pytest's summary line of each pass; gpu_suite_te_by_test.txt: "
            "the longest test's seconds"),
-    Quoted("docs/reliability.md", "`docs/evidence/h200-gpu-tests/gpu_suite_no_te_by_test.txt`): each pass {} passed and {} "
-           "skipped (the Transformer Engine tests and the two-GPU pipeline test), in {}, {} and {} s; the longest test "
+    Quoted("docs/reliability.md", "`docs/evidence/h200-gpu-tests/gpu_suite_no_te_by_test.txt`): each pass {} passed "
+           "and {} skipped (the Transformer Engine tests and the two-GPU pipeline test), in {}, {} and {} s; the longest test "
            "took {} s", _suite_passes("no_te"), "gpu_suite_no_te.log: pytest's summary line of each pass; "
            "gpu_suite_no_te_by_test.txt: the longest test's seconds"),
     Quoted("docs/reliability.md", "the GPU tests of the pipeline and FSDP files: {} passed",

@@ -8,9 +8,9 @@ and twice it, :func:`first_probe`) measure how the step's peak memory grows with
 through the successful probes' peaks (a parabola once three are known, for attention kernels whose memory
 grows with the square of the length) predicts the longest length under the limit, and the next probes
 confirm it: the predicted length, then its neighbours, until a length that runs sits one resolution below
-one that does not (or at ``max_seq``). A prediction that misses twice in a row gives way to bisection between the
-longest length that ran and the shortest that did not, and two successes in a row to steps that double:
-the search always ends, after three or four probes where memory grows as measured.
+one that does not (or at ``max_seq``). A prediction that misses twice in a row gives way to bisection
+between the longest length that ran and the shortest that did not, and two successes in a row to steps
+that double: the search always ends, after three or four probes where memory grows as measured.
 """
 
 from __future__ import annotations
@@ -163,15 +163,13 @@ def longest_sequence(run: Callable[[int], Probe], *, resolution: int, max_seq: i
     up = resolution  # the step above the longest that ran, when the fit predicts nothing longer
     while lo and hi - lo > resolution:
         points = [(p.seq, p.peak_bytes) for p in result.probes if p.ok and p.peak_bytes is not None]
-        if predict is None and len({s for s, _ in points}) < 2:  # one length says nothing of the slope
-            guess, why = (lo + hi) // 2 // resolution * resolution, "bisect"
-            probe(min(max(guess, lo + resolution), hi - resolution), why)
-            continue
-        guess = predict(points) if predict is not None else predict_longest(points, limit_bytes, resolution, max_seq)
-        guess -= guess % resolution
-        if result.predicted is None:
-            result.predicted = guess
-        if streak <= -2:  # the fit overshot twice: bisect
+        fitted = predict is not None or len({s for s, _ in points}) >= 2  # one length says nothing of the slope
+        if fitted:
+            guess = predict(points) if predict else predict_longest(points, limit_bytes, resolution, max_seq)
+            guess -= guess % resolution
+            if result.predicted is None:
+                result.predicted = guess
+        if not fitted or streak <= -2:  # nothing to predict from, or the fit overshot twice: bisect
             guess, why = (lo + hi) // 2 // resolution * resolution, "bisect"
         elif guess <= lo:  # the fit says nothing longer runs: confirm one step above, doubling while it runs
             guess, why = lo + up, "confirm" if up == resolution else "gallop"
