@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from offload_examples import get_cpu_offload_context, mark_not_offload
+from offload_examples import HostMemoryLimitError, get_cpu_offload_context, mark_not_offload
+from offload_examples.core.host_pool import HostBufferPool, pinned_nbytes
 from offload_examples.instruments.measure import compare_grads, measure_steps, resident_vs_theory, training_step
 from offload_examples.instruments.models import build_basic_model, build_linear_stack
 
@@ -345,8 +346,59 @@ def test_host_buffers_are_reused_across_iterations(retain):
         training_step(model, x, ctx, sync)
     assert first > 0
     assert ctx.pool.allocations == (first if retain else 4 * first)
+    assert ctx.pool.peak_pinned_bytes == ctx.pool.peak_bytes > 0  # a CPU pins nothing: the bytes asked for
     ctx.release_buffers()
-    assert ctx.pool.held_bytes == 0
+    assert ctx.pool.held_bytes == ctx.pool.pinned_bytes == 0
+
+
+def test_pinned_nbytes_is_the_next_power_of_two_when_pinned():
+    assert [pinned_nbytes(n) for n in (0, 1, 2, 3, 4096, 4097)] == [0, 1, 2, 4, 4096, 8192]
+    for k in (10, 20, 33):
+        assert (pinned_nbytes(2**k), pinned_nbytes(2**k + 1), pinned_nbytes(2**k - 1)) == (2**k, 2 ** (k + 1), 2**k)
+    assert pinned_nbytes(288 * 2**20) == 512 * 2**20  # 9 x 32 MiB: a tensor of a long sequence
+    assert pinned_nbytes(288 * 2**20, pinned=False) == 288 * 2**20 and pinned_nbytes(0, pinned=False) == 0
+
+
+@pytest.fixture
+def pins_on_cpu(monkeypatch):
+    """``torch.empty(..., pin_memory=True)`` without a GPU: the memory is not pinned, but a pool made with
+    ``pin_memory=True`` counts what PyTorch's pinned allocator would reserve."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *args, pin_memory=False, **kwargs: empty(*args, **kwargs))
+
+
+def test_a_pinning_pool_counts_and_limits_the_bytes_the_allocator_reserves(pins_on_cpu):
+    """Buffers of 600 and 700 bytes reserve 1024 each: the pool holds 1300 bytes (what was offloaded) and
+    pins 2048, and its limit refuses a third buffer whose bytes fit but whose reservation does not."""
+    pool = HostBufferPool(pin_memory=True, retain=True, limit_bytes=2500)
+    a, b = pool.acquire(600), pool.acquire(700)
+    assert (a.nbytes, a.reserved, b.reserved) == (600, 1024, 1024)
+    assert (pool.held_bytes, pool.pinned_bytes) == (1300, 2048)
+    with pytest.raises(HostMemoryLimitError, match=r"offloading 600 more bytes \(1024 reserved by the pinned "
+                                                   r"allocator\) would exceed the host memory limit of 2500 bytes "
+                                                   r"\(2048 reserved\)"):
+        pool.acquire(600)  # 1900 bytes asked for in all, within the limit; 3072 pinned, over it
+    pool.give_back(a, None)
+    pool.give_back(b, None)
+    pool.end_iteration()  # both were used in the iteration that ended: kept for the next
+    assert (pool.held_bytes, pool.pinned_bytes) == (1300, 2048)
+    pool.give_back(pool.acquire(700), None)
+    pool.end_iteration()  # the 600-byte buffer was not used: dropped
+    assert (pool.held_bytes, pool.pinned_bytes) == (700, 1024)
+    pool.release()
+    assert (pool.held_bytes, pool.pinned_bytes, pool.peak_bytes, pool.peak_pinned_bytes) == (0, 0, 1300, 2048)
+
+
+def test_a_pinning_pool_forgets_what_it_gives_away_and_counts_what_graphs_keep(pins_on_cpu):
+    passing = HostBufferPool(pin_memory=True, retain=False)  # each buffer goes back to PyTorch's cache
+    passing.give_back(passing.acquire(3000), None)
+    assert (passing.held_bytes, passing.pinned_bytes, passing.peak_pinned_bytes) == (0, 0, 4096)
+    pool = HostBufferPool(pin_memory=True, retain=True)
+    pool.give_back(pool.acquire(3000), None)
+    pool.give_back(pool.acquire(3000, for_graph=True), None)  # the graph owns it from now on
+    pool.end_iteration()
+    pool.release()
+    assert (pool.held_bytes, pool.pinned_bytes, pool.graph_bytes) == (3000, 4096, 3000)
 
 
 def test_disabled_returns_null_context_and_identity():

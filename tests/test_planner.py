@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from offload_examples import OffloadEngine
+from offload_examples.core.host_pool import pinned_nbytes
 from offload_examples.core.schedule import DefaultSchedule
 from offload_examples.features import planner
 from offload_examples.features.planner import (
@@ -259,7 +260,7 @@ def test_semantics_by_hand():
 @given(st.data())
 def test_a_host_budget_is_never_exceeded_and_costs_only_what_it_must(data):
     """Under a pinned host budget the plan is the fastest of the plans within both budgets (brute force),
-    and its host bytes are what its offloaded layers copy out."""
+    and its host bytes are what its offloaded layers copy out, as the pinned allocator reserves them."""
     costs, link, base = instance(data, exact=True)
     results = brute_force(costs, link, base, True)
     budget = draw_budget(data, results)
@@ -274,38 +275,92 @@ def test_a_host_budget_is_never_exceeded_and_costs_only_what_it_must(data):
         assert not got.feasible and got.why
         return
     assert got.feasible and got.predicted_step_ms == min(ms for _, ms in fits.values())
-    # what the offloaded layers copy: an OFFLOAD layer's saved bytes (under its cap), a RECOMPUTE_OFFLOAD layer's input
-    assert got.host_bytes == sum(planner.capped_bytes(c, got.caps[i]) if got.choices[i] is OFFLOAD else c.input_bytes
+    # what the offloaded layers copy, each storage in a pinned buffer of its own rounded up to a power of two:
+    # an OFFLOAD layer's storages (those under its cap; the layer as one buffer where they are unknown), a
+    # RECOMPUTE_OFFLOAD layer's input
+    assert got.host_bytes == sum(pinned_copies(c, got.choices[i], got.caps[i])
                                  for i, c in enumerate(costs) if got.choices[i] in OFFLOADED)
+
+
+def pinned_copies(cost: LayerCost, choice: Choice, cap: int | None) -> int:
+    """The pinned bytes of what a layer copies out, each storage rounded on its own (the engine's pool)."""
+    if choice is RECOMPUTE_OFFLOAD:
+        return pinned_nbytes(cost.input_bytes)
+    if cost.storage_bytes is None:
+        return pinned_nbytes(cost.saved_bytes)
+    total, out = 0, 0
+    for size in cost.storage_bytes:  # in save order, each while it still fits under the cap
+        if cap is None or total + size <= cap:
+            total, out = total + size, out + pinned_nbytes(size)
+    return out
 
 
 def test_the_smallest_host_budget_named_counts_slower_plans_that_hold_less():
     """A plan off the time-and-peak front (recompute+offload, slower than offloading whole) may need less
     host memory than every plan on it: the message names the least of all plans that fit."""
     costs, link = [LayerCost(1.0, 1.0, 3 * 10**6, 2 * 10**6)] * 3, LinkCost(100.0, 100.0, 100.0)
-    assert plan(costs, link, 6 * 10**6, host_budget_bytes=2 * 10**6).feasible
-    got = plan(costs, link, 6 * 10**6, host_budget_bytes=2 * 10**6 - 1)
-    assert not got.feasible and f"need at least {2 * 10**6} bytes of pinned host memory" in got.why
-    got = plan(costs, link, 6 * 10**6, prefix_only=False, host_budget_bytes=2 * 10**6 - 1)
-    assert not got.feasible and f"need at least {2 * 10**6} bytes of pinned host memory" in got.why
+    least = pinned_nbytes(2 * 10**6)  # one input in pinned memory: 2 MiB
+    assert plan(costs, link, 6 * 10**6, host_budget_bytes=least).feasible
+    got = plan(costs, link, 6 * 10**6, host_budget_bytes=least - 1)
+    assert not got.feasible and f"need at least {least} bytes of pinned host memory" in got.why
+    got = plan(costs, link, 6 * 10**6, prefix_only=False, host_budget_bytes=least - 1)
+    assert not got.feasible and f"need at least {least} bytes of pinned host memory" in got.why
 
 
 def test_a_host_budget_that_no_plan_meets_names_the_smallest_that_would():
     # recomputing saves nothing here (every layer's input is all it saves): only offloading frees memory
     costs = [LayerCost(1.0, 2.0, 100 * MB, 100 * MB) for _ in range(4)]
     link = LinkCost(10.0, 10.0, 12.0)
+    layer = 128 * 2**20  # what one layer's 100 MB take pinned
     ample = plan(costs, link, 250 * MB, host_budget_bytes=None)
-    assert ample.feasible and ample.host_bytes == 200 * MB and ample.host_budget_bytes is None
+    assert ample.feasible and ample.host_bytes == 2 * layer and ample.host_budget_bytes is None
     got = plan(costs, link, 250 * MB, host_budget_bytes=150 * MB)
     assert not got.feasible and got.host_bytes <= 150 * MB
-    assert got.why == (f"the plans that fit the budget of {250 * MB} bytes need at least {200 * MB} bytes of pinned "
+    assert got.why == (f"the plans that fit the budget of {250 * MB} bytes need at least {2 * layer} bytes of pinned "
                        f"host memory > host budget {150 * MB} bytes")
-    assert plan(costs, link, 250 * MB, host_budget_bytes=200 * MB).feasible
-    assert "pinned host 190.73 MiB (host budget 190.73 MiB)" in str(plan(costs, link, 250 * MB,
-                                                                        host_budget_bytes=200 * MB))
-    assert [p.host_bytes for p in pareto(costs, link, host_budget_bytes=100 * MB)] == [100 * MB, 0]
+    assert plan(costs, link, 250 * MB, host_budget_bytes=2 * layer).feasible
+    assert "pinned host 256.00 MiB (host budget 256.00 MiB)" in str(plan(costs, link, 250 * MB,
+                                                                        host_budget_bytes=2 * layer))
+    assert [p.host_bytes for p in pareto(costs, link, host_budget_bytes=layer)] == [layer, 0]
     with pytest.raises(ValueError, match="host_budget_bytes must be a finite int >= 0"):
         plan(costs, link, 250 * MB, host_budget_bytes=-1)
+
+
+def test_a_plan_whose_copies_fit_the_host_budget_only_unrounded_is_never_chosen():
+    """PyTorch pins the next power of two of every buffer: 2 x 100 MB copied out take 256 MiB pinned. A host
+    budget of 200 MB fits the bytes copied but not the memory pinned, so no plan that offloads two layers
+    is chosen, and the smallest budget named is the pinned one."""
+    costs = [LayerCost(1.0, 2.0, 100 * MB, 100 * MB) for _ in range(4)]  # recomputing frees nothing
+    link = LinkCost(10.0, 10.0, 12.0)
+    assert planner.copied_bytes(costs[0], OFFLOAD) == 100 * MB
+    assert planner.plan_host_bytes((OFFLOAD, OFFLOAD, KEEP, KEEP), costs) == 2 * 128 * 2**20 > 200 * MB
+    for prefix_only in (True, False):
+        got = plan(costs, link, 250 * MB, prefix_only=prefix_only, host_budget_bytes=200 * MB)
+        assert not got.feasible and sum(c in OFFLOADED for c in got.choices) <= 1 and got.host_bytes <= 200 * MB
+        assert f"need at least {2 * 128 * 2**20} bytes of pinned host memory > host budget {200 * MB}" in got.why
+    assert all(p.host_bytes <= 200 * MB for p in pareto(costs, link, host_budget_bytes=200 * MB))
+
+
+def test_host_bytes_are_rounded_storage_by_storage():
+    """Each offloaded storage is a pinned buffer of its own: three 3 MB storages take three 4 MiB buffers
+    (not the 16 MiB of 9 MB in one), a cap takes the rounded size of the storages it takes, a checkpoint's
+    input is one tensor, and a layer whose storages are unknown is rounded as one buffer."""
+    mb = 1_000_000
+    sized = LayerCost(1.0, 1.0, 9 * mb, 3 * mb, storage_bytes=(3 * mb,) * 3)
+    unsized = LayerCost(1.0, 1.0, 9 * mb, 3 * mb)
+    four = 4 * 2**20
+
+    def host(choice, cost, cap=None):  # one layer's, offloaded first
+        return planner.plan_host_bytes((choice, KEEP), [cost, cost], (cap, None))
+
+    assert host(OFFLOAD, sized) == 3 * four and planner.copied_bytes(sized, OFFLOAD) == 9 * mb
+    assert host(OFFLOAD, sized, 7 * mb) == 2 * four  # the first two fit the cap
+    assert host(RECOMPUTE_OFFLOAD, sized) == four
+    assert host(KEEP, sized) == host(RECOMPUTE, sized) == 0
+    assert host(OFFLOAD, unsized) == 16 * 2**20
+    costs = [sized, unsized, sized]
+    assert planner.plan_host_bytes((OFFLOAD, OFFLOAD, KEEP), costs, (None, None, None)) == 3 * four + 16 * 2**20
+    assert planner.plan_host_bytes((OFFLOAD, RECOMPUTE_OFFLOAD, KEEP), costs, (6 * mb, None, None)) == 3 * four
 
 
 def test_the_default_host_budget_is_a_share_of_available_memory_per_local_process(monkeypatch):
@@ -773,7 +828,7 @@ def test_a_byte_cap_tops_up_the_saving_where_a_whole_layer_would_stall():
     # whole layers only: recompute one, its input offloaded (the same time as keeping it, 1 MB lower)
     whole = plan(costs, link, keep_peak - 2 * mb, partial=False)
     assert whole.choices == (RECOMPUTE_OFFLOAD, KEEP, KEEP) and whole.predicted_step_ms == keep_ms + 1.0
-    assert whole.predicted_peak_bytes == keep_peak - 8 * mb and whole.host_bytes == mb
+    assert whole.predicted_peak_bytes == keep_peak - 8 * mb and whole.host_bytes == pinned_nbytes(mb)  # 1 MiB pinned
     kept_input = plan(costs, link, keep_peak - 2 * mb, partial=False, host_budget_bytes=0)  # no host memory
     assert kept_input.choices == (RECOMPUTE, KEEP, KEEP) and kept_input.predicted_peak_bytes == keep_peak - 7 * mb
     assert "offload up to 1.91 MiB 0, keep 1-2" == got.summary()

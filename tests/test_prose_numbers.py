@@ -393,6 +393,28 @@ def _long_context_turns(d: Data) -> tuple[str, ...]:
     return (f"{100 * (ratio - 1):+.1f}",)
 
 
+LONG_CONTEXT_FULL = f"{EVIDENCE}/h200-long-context-full"
+
+
+def _full_first_failure(name: str) -> Callable[[Data], tuple[str, ...]]:
+    """The whole-GPU search of ``name``: the shortest length that ran out of memory above its longest."""
+    def numbers(d: Data) -> tuple[str, ...]:
+        r = d.load(f"{LONG_CONTEXT_FULL}/checkpoint_no_offload.json")["strategies"][name]
+        return (f"{min(p['seq'] for p in r['probes'] if not p['ok'] and p['seq'] > r['longest']):,}",)
+    return numbers
+
+
+def _full_planner(d: Data) -> tuple[str, ...]:
+    """The planner's whole-GPU search, from its log (it stopped before writing a report): its first
+    prediction, the longest length that ran, the shortest above it that ran out of memory."""
+    probes = [(why, int(seq.replace(",", "")), ok == "ran") for why, seq, ok in re.findall(
+        r"\[planner\]\s+(\w+)\s+(\d+) tokens: (ran|out of memory)", d.load(f"{LONG_CONTEXT_FULL}/planner.log"))]
+    longest = max(seq for _, seq, ok in probes if ok)
+    failed = min(seq for _, seq, ok in probes if not ok and seq > longest)
+    predicted = next(seq for why, seq, _ in probes if why == "predicted")
+    return f"{predicted:,}", f"{longest:,}", f"{failed:,}"
+
+
 def _suite_green(d: Data, name: str) -> bool:
     """A stored repeated GPU suite (``gpu_suite_<name>.log``): three passes, none failed, all exit codes 0."""
     text = d.load(f"{GPU_TESTS}/gpu_suite_{name}.log")
@@ -488,6 +510,12 @@ QUOTED = [
            "long_context.json: checkpoint + offload's longest over checkpointing's"),
     Quoted("docs/long_context.md", "faster than checkpointing: {} % tokens per second", _long_context_turns,
            "at_checkpoint.json: the planner's median tokens/s over checkpointing's, taking turns"),
+    Quoted("docs/long_context.md", "strategies.checkpoint.longest` | {} |", _full_first_failure("checkpoint"),
+           "h200-long-context-full/checkpoint_no_offload.json: checkpointing's shortest failed length"),
+    Quoted("docs/long_context.md", "strategies[no offload].longest` | {} |", _full_first_failure("no offload"),
+           "h200-long-context-full/checkpoint_no_offload.json: no offload's shortest failed length"),
+    Quoted("docs/long_context.md", "| planner | {} | {} (the search stopped unfinished) | {} |", _full_planner,
+           "h200-long-context-full/planner.log: first prediction, longest that ran, shortest failure above"),
     # docs/benchmarks.md
     Quoted("docs/benchmarks.md", "where it exceeds that by {} %", _bench_copy_threshold,
            "the threshold bench.md states: copy bound > 1.01 x baseline"),

@@ -96,8 +96,9 @@ def get_cpu_offload_context(
     min_offload_bytes : int, default 1024
         Keyword-only. Storages smaller than this stay on the device.
     host_memory_limit : int or None, default None
-        Keyword-only. Most pinned bytes to hold; tensors beyond it stay on the device (with a
-        warning). ``None`` for no limit.
+        Keyword-only. Most pinned bytes to hold, each host buffer counted as PyTorch's pinned
+        allocator reserves it (rounded up to a power of two: ``pinned_nbytes``); tensors beyond it
+        stay on the device (with a warning). ``None`` for no limit.
     device : torch.device, str or None, default None
         Keyword-only. The compute device; the current CUDA device when CUDA is available, else
         the CPU.

@@ -339,7 +339,7 @@ class OffloadEngine(EngineEntries, EngineIterations, EngineReadouts, EngineSetti
     offload_stream:
         Stream for device-to-host copies; a new one when ``None``.
     host_memory_limit:
-        Most host bytes the pool may hold; beyond it tensors stay on the device (with a warning).
+        Most pinned host bytes the pool may reserve (``pinned_nbytes`` per buffer); beyond it tensors stay on device.
     max_offload_bytes_per_layer:
         Most bytes one layer offloads per iteration; storages saved after that stay on the device
         (storages in the order they are saved, each while it still fits). One int for every

@@ -15,6 +15,10 @@ and every replay uses them again. Buffers lent during a capture are therefore *k
 graph*: when they come back they leave circulation for good (never lent again, never freed by
 :meth:`HostBufferPool.end_iteration` or :meth:`HostBufferPool.release`), so no eager step can
 overwrite them and no replay can write into freed memory.
+
+PyTorch's pinned allocator reserves the next power of two of every request (:func:`pinned_nbytes`), so
+a pool that pins reserves more than it lends: it counts both, the bytes lent (``held_bytes``) and the
+bytes pinned (``pinned_bytes``), and its limit applies to the pinned ones, the memory the OS sees locked.
 """
 
 from __future__ import annotations
@@ -25,11 +29,39 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["HostBuffer", "HostBufferPool", "HostMemoryLimitError", "NoFreeBufferError"]
+__all__ = ["HostBuffer", "HostBufferPool", "HostMemoryLimitError", "NoFreeBufferError", "pinned_nbytes"]
+
+
+def pinned_nbytes(nbytes: int, pinned: bool = True) -> int:
+    """The host bytes a request of ``nbytes`` really takes.
+
+    Parameters
+    ----------
+    nbytes:
+        The bytes asked for.
+    pinned:
+        Whether the memory is pinned (``torch.empty(..., pin_memory=True)``).
+
+    Returns
+    -------
+    int
+        For pinned memory the next power of two at or above ``nbytes`` (0 for 0), else ``nbytes``.
+
+    Notes
+    -----
+    PyTorch's caching host allocator keeps its free blocks in lists indexed by power-of-two size, so
+    it rounds every request up to the next power of two before it pins (``PowerOf2Ceil`` in ATen's
+    ``CachingHostAllocator``): a 288 MiB tensor locks 512 MiB of host memory. Unpinned memory comes
+    from the ordinary allocator, which takes what is asked.
+    """
+    if not pinned or nbytes <= 0:
+        return max(nbytes, 0)
+    return 1 << (nbytes - 1).bit_length()
 
 
 class HostMemoryLimitError(RuntimeError):
-    """Raised by :meth:`HostBufferPool.acquire` when a buffer would exceed the host-memory cap."""
+    """Raised by :meth:`HostBufferPool.acquire` when a buffer would exceed the host-memory cap (which counts
+    the bytes pinning reserves, :func:`pinned_nbytes`)."""
 
 
 class NoFreeBufferError(RuntimeError):
@@ -49,12 +81,16 @@ class HostBuffer:
         copy is pending (always on CPU).
     for_graph:
         Lent during a CUDA graph capture: the graph owns it from then on.
+    reserved:
+        The host bytes ``data`` takes: :func:`pinned_nbytes` of its size when pinned, its size otherwise
+        (the pool that allocates it sets it).
     """
 
     data: torch.Tensor
     ready: torch.cuda.Event | None = None
     used_in_iteration: int = field(default=-1)
     for_graph: bool = False
+    reserved: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -73,7 +109,9 @@ class HostBufferPool:
         iteration are dropped at its end). When ``False`` a returned buffer goes straight back to
         PyTorch's pinned-memory cache, where the next step or another context finds it.
     limit_bytes:
-        Optional cap on the host bytes the pool may hold at once; ``None`` for no cap.
+        Optional cap on the host bytes the pool may hold at once, counted as the OS sees them: each
+        buffer as :func:`pinned_nbytes` (rounded up to a power of two when the pool pins, exact
+        otherwise), i.e. against :attr:`pinned_bytes`; ``None`` for no cap.
     """
 
     def __init__(self, pin_memory: bool, retain: bool = True, limit_bytes: int | None = None):
@@ -87,10 +125,16 @@ class HostBufferPool:
         # reentrant: the garbage collector may free a graph (and give its buffers back) inside acquire()
         self._lock = threading.RLock()
         self._iteration = 0
-        #: Bytes of host memory the pool holds (lent out or free).
+        #: Bytes of host memory the pool holds (lent out or free), each buffer at the size asked for:
+        #: what is comparable with the bytes offloaded.
         self.held_bytes = 0
-        #: Most bytes the pool ever held at once.
+        #: Most bytes the pool ever held at once (as :attr:`held_bytes` counts them).
         self.peak_bytes = 0
+        #: Host bytes the pool's buffers really take (:func:`pinned_nbytes` of each when the pool pins):
+        #: the pinned memory the OS sees, and what ``limit_bytes`` caps.
+        self.pinned_bytes = 0
+        #: Most bytes the pool ever took at once (as :attr:`pinned_bytes` counts them).
+        self.peak_pinned_bytes = 0
         #: How many buffers were newly allocated (pinned) since the pool was made.
         self.allocations = 0
         #: When set, :meth:`acquire` never allocates: every buffer must come from the free lists.
@@ -121,16 +165,24 @@ class HostBufferPool:
             return buf
 
     def _allocate(self, nbytes: int) -> HostBuffer:
-        if self.limit_bytes is not None and self.held_bytes + nbytes > self.limit_bytes:
+        # the limit is on what the allocator reserves, not on what is asked: the OS runs out of the former
+        reserved = pinned_nbytes(nbytes, self.pin_memory)
+        if self.limit_bytes is not None and self.pinned_bytes + reserved > self.limit_bytes:
             raise HostMemoryLimitError(
-                f"offloading {nbytes} more bytes would exceed the host memory limit of "
-                f"{self.limit_bytes} bytes ({self.held_bytes} held)"
+                f"offloading {nbytes} more bytes ({reserved} reserved by the pinned allocator) would exceed "
+                f"the host memory limit of {self.limit_bytes} bytes ({self.pinned_bytes} reserved)"
             )
         data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
         self.allocations += 1
+        self._count(nbytes, reserved)
+        return HostBuffer(data, reserved=reserved)
+
+    def _count(self, nbytes: int, reserved: int) -> None:
+        """Add (or, below 0, take away) a buffer's bytes: asked for, and reserved."""
         self.held_bytes += nbytes
+        self.pinned_bytes += reserved
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
-        return HostBuffer(data)
+        self.peak_pinned_bytes = max(self.peak_pinned_bytes, self.pinned_bytes)
 
     def give_back(self, buf: HostBuffer, ready: torch.cuda.Event | None) -> None:
         """Return a buffer; ``ready`` is the event of the last copy that touched it.
@@ -147,7 +199,7 @@ class HostBufferPool:
             elif self.retain or self.frozen:
                 self._free[buf.nbytes].append(buf)
             else:
-                self.held_bytes -= buf.nbytes
+                self._count(-buf.nbytes, -buf.reserved)
 
     def end_iteration(self, keep_free: bool = False) -> None:
         """Drop free buffers that the iteration just ended did not use (all, unless retaining).
@@ -156,8 +208,12 @@ class HostBufferPool:
         """
         with self._lock:
             for nbytes, bufs in list(self._free.items()):
-                keep = [b for b in bufs if keep_free or (self.retain and b.used_in_iteration == self._iteration)]
-                self.held_bytes -= nbytes * (len(bufs) - len(keep))
+                keep, drop = [], []
+                for b in bufs:
+                    kept = keep_free or (self.retain and b.used_in_iteration == self._iteration)
+                    (keep if kept else drop).append(b)
+                for b in drop:
+                    self._count(-nbytes, -b.reserved)
                 if keep:
                     self._free[nbytes] = keep
                 else:
@@ -174,7 +230,8 @@ class HostBufferPool:
         """Free every buffer not currently lent out (buffers kept for graphs stay)."""
         with self._lock:
             for nbytes, bufs in self._free.items():
-                self.held_bytes -= nbytes * len(bufs)
+                for b in bufs:
+                    self._count(-nbytes, -b.reserved)
             self._free.clear()
 
     @property

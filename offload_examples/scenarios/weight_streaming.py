@@ -122,7 +122,8 @@ def run(config: WeightsConfig | None = None, device: torch.device | str | None =
             "resident + recompute": {"peak_bytes": ckpt.peak_bytes, "step_ms": ckpt.median_ms},
             "streamed": {"peak_bytes": stream.peak_bytes, "step_ms": stream.median_ms},
         },
-        "host_bytes": streamed.pool.held_bytes,
+        # the pinned memory the host gives up: each buffer as PyTorch's pinned allocator rounds it (a power of two)
+        "host_bytes": streamed.pool.pinned_bytes,
         "grads_equal": check.equal,
         "grads_compared": check.compared,
         "max_abs_diff": check.max_abs_diff,
@@ -155,7 +156,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"Linear], {c['batch']} x {c['seq']} tokens, {c['dtype']}",
         format_table(rows, header=("variant", "peak GPU memory", "step time")),
         f"weights: {format_bytes(report['weight_bytes'])} in all, {format_bytes(report['weight_bytes_per_layer'])} "
-        f"per layer; host memory for weights and gradients: {format_bytes(report['host_bytes'])}",
+        f"per layer; pinned host memory for weights and gradients: {format_bytes(report['host_bytes'])}",
         f"weights + gradients on the GPU: resident {format_bytes(report['resident_weight_grad_bytes'])}, streamed "
         f"at most {format_bytes(report['streamed_weight_grad_peak_bytes'])} "
         f"(bound: two layers of each, {format_bytes(report['streamed_bound_bytes'])})",

@@ -32,9 +32,9 @@ The step modelled is :class:`~offload_examples.core.schedule.DefaultSchedule`'s:
   compute where a whole layer's would not. Where ``LayerCost.storage_modules`` is known, the plan
   also says which submodules saved what the cap takes (``Plan.parts``, :func:`cap_in_modules`).
 
-Pinned host memory is what the offloaded layers copy out, all of it held at once
-(:func:`plan_host_bytes`); :func:`plan` keeps it within a host budget (:func:`host_budget`: half of
-what the host has available, shared among the node's processes).
+Pinned host memory is what the offloaded layers copy out, rounded up as pinning reserves it, all of
+it held at once (:func:`plan_host_bytes`); :func:`plan` keeps it within a host budget
+(:func:`host_budget`: half of what the host has available, shared among the node's processes).
 
 Peak memory is ``base_bytes`` plus the most saved bytes resident at any phase
 (:meth:`DefaultSchedule.simulate`, plus a recomputed layer's ``saved_bytes`` during its backward);

@@ -11,9 +11,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ...core.host_pool import pinned_nbytes
 from ...core.schedule import DefaultSchedule
 from .costs import (KEEP, OFFLOAD, OFFLOADED, RECOMPUTE, RECOMPUTE_OFFLOAD, RECOMPUTED, Choice, LayerCost, LinkCost,
-                    _check, capped_bytes)
+                    _check, _taken, capped_bytes)
 
 __all__ = ["Plan", "SubsetSchedule", "offload_schedule", "plan_host_bytes", "simulate_plan"]
 
@@ -88,24 +89,40 @@ def simulate_plan(choices: Sequence[Choice | str], costs: Sequence[LayerCost], l
 def plan_host_bytes(choices: Sequence[Choice | str], costs: Sequence[LayerCost],
                     caps: Sequence[int | None] | None = None) -> int:
     """The pinned host bytes a plan holds: what its offloaded layers copy out (a capped layer's share,
-    a RECOMPUTE_OFFLOAD layer's input).
-
-    Every offloaded layer is out at once: the copies of all of them have left by the end of the
-    forward, and the first reload starts in the backward. The engine's pool lends buffers of exactly
-    the bytes copied and keeps them for the next step (``retain_pinned_cpu_buffers``), so this is
-    also what the pool holds between steps.
-    """
+    a RECOMPUTE_OFFLOAD layer's input), each storage rounded up to a power of two as PyTorch pins it
+    (a layer whose ``storage_bytes`` are unknown as one buffer). All of it is held at once: every copy
+    has left by the end of the forward, and the pool keeps its buffers for the next step."""
     choices = tuple(Choice(c) for c in choices)
     caps = _checked_caps(caps, choices)
-    return sum(copied_bytes(c, ch, cap) for c, ch, cap in zip(costs, choices, caps))
+    return sum(_pinned_copied_bytes(c, ch, cap) for c, ch, cap in zip(costs, choices, caps))
 
 
 def copied_bytes(cost: LayerCost, choice: Choice, cap: int | None = None) -> int:
     """The bytes the engine copies out of a layer under ``choice``: what it saves (under ``cap``) for
-    OFFLOAD, the checkpoint's input for RECOMPUTE_OFFLOAD, nothing otherwise."""
+    OFFLOAD, the checkpoint's input for RECOMPUTE_OFFLOAD, nothing otherwise. Exact: what the copies move
+    and the device frees (the pinned host memory they take is :func:`_pinned_copied_bytes`)."""
     if choice is OFFLOAD:
         return capped_bytes(cost, cap)
     return cost.input_bytes if choice is RECOMPUTE_OFFLOAD else 0
+
+
+def _pinned_copied_bytes(cost: LayerCost, choice: Choice, cap: int | None = None) -> int:
+    """The pinned host memory of what the engine copies out of a layer under ``choice`` (``copied_bytes``).
+
+    Each offloaded storage is a host buffer of its own, and PyTorch's pinned allocator reserves the next
+    power of two of each (:func:`~offload_examples.core.host_pool.pinned_nbytes`): the storages the cap
+    takes (as :func:`capped_bytes` walks them) are rounded one by one, a RECOMPUTE_OFFLOAD layer's input
+    as one tensor, and a layer whose ``storage_bytes`` are unknown as one buffer.
+    """
+    # always rounded: on a CPU the engine's pool pins nothing, but a plan is made for the GPU, where it does
+    if choice is RECOMPUTE_OFFLOAD:
+        return pinned_nbytes(cost.input_bytes)
+    if choice is not OFFLOAD:
+        return 0
+    if cost.storage_bytes is None:
+        return pinned_nbytes(capped_bytes(cost, cap))  # a cap without the sizes raises there
+    taken = (True,) * len(cost.storage_bytes) if cap is None else _taken(cost, cap)
+    return sum(pinned_nbytes(size) for size, t in zip(cost.storage_bytes, taken) if t)
 
 
 def _per_layer(values: Sequence[Any] | None, choices: tuple[Choice, ...], field: str, entry: str, must_be: str,
@@ -149,8 +166,8 @@ class Plan:
     every layer not offloaded); :func:`apply_plan` hands them to the engine. ``modules`` holds, per
     layer, the submodule a recomputed layer recomputes (``None``: the whole layer, and for every layer
     not recomputed); :func:`apply_plan` checkpoints that module inside the layer. ``host_bytes`` is
-    the pinned host memory the plan holds, within ``host_budget_bytes`` when :func:`plan` had one
-    (:func:`apply_plan` then makes it the engine's ``host_memory_limit``).
+    the pinned host memory the plan holds (:func:`plan_host_bytes`), within ``host_budget_bytes`` when
+    :func:`plan` had one (:func:`apply_plan` then makes it the engine's ``host_memory_limit``).
     """
 
     choices: tuple[Choice, ...]

@@ -12,7 +12,7 @@ from .costs import (
     KEEP, OFFLOAD, OFFLOADED, RECOMPUTE, RECOMPUTE_OFFLOAD, Choice, LayerCost, LinkCost, _check, cap_in_modules,
     host_budget, partial_caps,
 )
-from .model import Plan, copied_bytes, plan_host_bytes, simulate_plan
+from .model import Plan, _pinned_copied_bytes, copied_bytes, plan_host_bytes, simulate_plan
 
 __all__ = ["EXHAUSTIVE_MAX_LAYERS", "pareto", "plan"]
 
@@ -102,7 +102,7 @@ def _prefix_front(costs: Sequence[LayerCost], link: LinkCost, k: int, cap: float
             states = _nondominated(new, 3)
         else:  # what the layers hold matters no more after the last one: equals go to fewer changes
             states = [(a, p, h, r, ch) for a, p, r, h, ch in _nondominated([(a, p, r, h, ch) for a, p, h, r, ch in new], 3)]
-    host = sum(off)  # ties to fewer changes, less pinned host memory, fewer layers offloaded: as in _front
+    host = _prefix_host_bytes(costs, k, last_cap, variant)  # ties: fewer changes, less pinned memory, as in _front
     return [(alpha, peak, (k + nrec, host, k), (variant,) * k + tuple(c for c, _ in ch), (caps, (None,) * k + tuple(m for _, m in ch)))
             for alpha, peak, _, nrec, ch in states]
 
@@ -172,8 +172,9 @@ def _front(costs: Sequence[LayerCost], link: LinkCost, base_bytes: int, cap: flo
 
 
 def _prefix_host_bytes(costs: Sequence[LayerCost], k: int, last_cap: int | None, variant: Choice = OFFLOAD) -> int:
-    """The pinned host bytes of offloading the first ``k`` layers as ``variant``, the last under ``last_cap``."""
-    return sum(copied_bytes(c, variant, last_cap if i == k - 1 else None) for i, c in enumerate(costs[:k]))
+    """The pinned host bytes of offloading the first ``k`` layers as ``variant``, the last under ``last_cap``
+    (rounded storage by storage, as :func:`plan_host_bytes` counts them)."""
+    return sum(_pinned_copied_bytes(c, variant, last_cap if i == k - 1 else None) for i, c in enumerate(costs[:k]))
 
 
 def _host_cap(host_budget_bytes: int | str | None) -> tuple[float, int | None]:

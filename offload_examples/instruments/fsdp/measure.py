@@ -137,9 +137,10 @@ def profile_in_turns(cases: Sequence[Case], x: torch.Tensor, trace_files: Mappin
 
 
 def _engine_readings(engine: OffloadEngine, layers: int) -> dict[str, Any]:
-    """What the engine did in its last step (read before anything else runs through it)."""
+    """What the engine did in its last step (read before anything else runs through it). ``host_pinned_bytes``:
+    the most pinned memory its pool reserved, each buffer rounded up as PyTorch's pinned allocator does."""
     return dict(stats=list(engine.stats), theory=engine.theoretical(), resident=resident_vs_theory(engine),
-                host_pinned_bytes=engine.pool.peak_bytes, iterations=engine.iteration + 1,
+                host_pinned_bytes=engine.pool.peak_pinned_bytes, iterations=engine.iteration + 1,
                 offloaded=[engine.schedule.is_offloaded(j) for j in range(layers)])
 
 

@@ -2,15 +2,16 @@
 
 :func:`longest_sequence` probes lengths that are multiples of a resolution. Each probe runs a training
 step (``run(seq)``, which returns a :class:`Probe`); one that runs out of memory raises
-``torch.OutOfMemoryError``, which the search catches: it frees what the failed step held
-(:func:`~offload_examples.instruments.measure.free_memory`) and goes on. The first two probes (a length
-and twice it, :func:`first_probe`) measure how the step's peak memory grows with the length; a line
-through the successful probes' peaks (a parabola once three are known, for attention kernels whose memory
-grows with the square of the length) predicts the longest length under the limit, and the next probes
-confirm it: the predicted length, then its neighbours, until a length that runs sits one resolution below
-one that does not (or at ``max_seq``). A prediction that misses twice in a row gives way to bisection
-between the longest length that ran and the shortest that did not, and two successes in a row to steps
-that double: the search always ends, after three or four probes where memory grows as measured.
+``torch.OutOfMemoryError``, which the search catches and goes on. After every probe it frees what the
+step left (:func:`~offload_examples.instruments.measure.free_memory`), the pinned host blocks PyTorch
+caches included. The first two probes (a length and twice it, :func:`first_probe`) measure how the
+step's peak memory grows with the length; a line through the successful probes' peaks (a parabola once
+three are known, for attention kernels whose memory grows with the square of the length) predicts the
+longest length under the limit, and the next probes confirm it: the predicted length, then its
+neighbours, until a length that runs sits one resolution below one that does not (or at ``max_seq``). A
+prediction that misses twice in a row gives way to bisection between the longest length that ran and the
+shortest that did not, and two successes in a row to steps that double: the search always ends, after
+three or four probes where memory grows as measured.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ class Probe:
     """One training step at one length: whether it completed, and what it took.
 
     ``peak_bytes``: the step's peak device memory; ``host_bytes``: the pinned host memory the offload
-    engine held at once; ``tokens_per_s``: tokens trained per second (median step time); ``note``: why
-    it failed, or what the strategy ran (the plan, the number of offloaded layers).
+    engine held at once, as the pinned allocator reserves it (each buffer rounded up to a power of two);
+    ``tokens_per_s``: tokens trained per second (median step time); ``note``: why it failed, or what the
+    strategy ran (the plan, the number of offloaded layers).
     """
 
     seq: int
@@ -146,8 +148,11 @@ def longest_sequence(run: Callable[[int], Probe], *, resolution: int, max_seq: i
             p = run(seq)
         except OutOfMemoryError as e:
             p = Probe(seq, False, note=f"out of memory: {str(e).splitlines()[0][:120]}")
-        if not p.ok:
-            free_memory(pinned=True)  # a step that ran out of memory may have pinned its copies
+        # after every probe, not only a failed one: PyTorch's pinned allocator caches the blocks a step gave
+        # back, by power-of-two size, and a block reserved for one length's tensors rarely fits the next
+        # length's, so without this the cached blocks of each length tried stack up in host memory that the
+        # host budget does not count (a step that ran out of memory may also have pinned its copies)
+        free_memory(pinned=True)
         result.probes.append(p)
         if p.ok:
             lo, streak = max(lo, seq), max(streak, 0) + 1

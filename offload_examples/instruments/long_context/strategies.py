@@ -207,8 +207,8 @@ def choose(strategy: str, seq: int, layers: int, costs: CostModel | None, limit_
         peak = simulate_plan((OFFLOAD,) * k + (KEEP,) * (layers - k), layer_costs, costs.link, base)[0]
         return Setting(strategy, none, k, note=f"k = {k} of {layers}" + ("" if fits else " (predicted over)"),
                        fits=fits, predicted_peak_bytes=peak)
-    if check:  # one layer's worth of host memory, and a budget only recomputation meets
-        host_budget_bytes = min(host_budget_bytes, layer_costs[0].saved_bytes)
+    if check:  # one layer's worth of pinned host memory (as plans count it), and a budget only recomputation meets
+        host_budget_bytes = min(host_budget_bytes, plan_host_bytes((OFFLOAD,), layer_costs[:1]))
         keep_peak = simulate_plan((KEEP,) * layers, layer_costs, costs.link, base)[0]
         low = plan(layer_costs, costs.link, 0, base, host_budget_bytes=host_budget_bytes).predicted_peak_bytes
         budget = (keep_peak + low) // 2
@@ -292,7 +292,8 @@ def _applied(trainee: Trainee, setting: Setting, host_budget_bytes: int) -> Iter
 def run_at(trainee: Trainee, setting: Setting, seq: int, *, limit_bytes: int | None, host_budget_bytes: int,
            warmup: int = 1, steps: int = 1) -> Probe:
     """``warmup`` then ``steps`` training steps at ``seq`` tokens under ``setting``: the peak device memory of
-    them all, the engine's pinned host memory, and tokens per second over the timed steps.
+    them all, the engine's pinned host memory (the most its pool reserved, as the pinned allocator rounds
+    it), and tokens per second over the timed steps.
 
     Raises ``torch.OutOfMemoryError`` where a step does not fit (on a CPU, over ``limit_bytes``).
     """
@@ -315,7 +316,8 @@ def run_at(trainee: Trainee, setting: Setting, seq: int, *, limit_bytes: int | N
             peak = max(peak, mem["peak_bytes"])
             if i >= warmup:
                 times.append(elapsed)
-        host = handle.ctx.pool.peak_bytes if handle is not None else 0
+        # pinned as the OS sees it (each buffer rounded up to a power of two): what the host budget limits
+        host = handle.ctx.pool.peak_pinned_bytes if handle is not None else 0
     kept = any(issubclass(w.category, OffloadWarning) for w in caught)
     note = setting.note + ("; the host budget kept some tensors on the device" if kept else "")
     times.sort()
