@@ -134,6 +134,24 @@ def test_one_length_that_ran_predicts_nothing_the_search_bisects(monkeypatch):
     assert [p.seq for p in result.probes][:3] == [8192, 16384, 12288], result.probes
 
 
+def test_a_models_miss_is_followed_by_bisection_and_each_probe_reaches_on_probe(monkeypatch):
+    """A caller's model (the planner's cost model) that overshoots once overshoots the length just below
+    too, and at the longest lengths each such step costs minutes: its miss is followed by bisection. The
+    caller sees the search after every probe, so that a search cut short keeps what it found."""
+    monkeypatch.setattr(search, "free_memory", lambda **_: None)
+    peak, limit = (lambda s: 7 * s), 7 * 40_000
+    seen: list[tuple[int, int]] = []
+    result = longest_sequence(_run_under(peak, limit), resolution=1024, max_seq=131072, limit_bytes=limit,
+                              predict=lambda points: 65536, first=4096,
+                              on_probe=lambda r: seen.append((len(r.probes), r.longest)))
+    _assert_boundary(result, lambda s: peak(s) <= limit)
+    seqs = [p.seq for p in result.probes]
+    assert seqs[:4] == [4096, 8192, 65536, (8192 + 65536) // 2 // 1024 * 1024], seqs  # no 64,512 after the miss
+    assert seen == [(n, max([p.seq for p in result.probes[:n] if p.ok], default=0)) for n in range(1, len(seqs) + 1)]
+    fitted = longest_sequence(_run_under(peak, limit), resolution=1024, max_seq=131072, limit_bytes=limit, first=4096)
+    assert fitted.longest == result.longest == 39936  # the same boundary either way
+
+
 def test_the_prediction_fits_a_line_then_a_parabola():
     assert predict_longest([(16, 160), (32, 320)], 1000, 16, 4096) == 96
     assert predict_longest([(10, 100), (20, 400), (30, 900)], 2600, 10, 4096) == 50
@@ -278,6 +296,30 @@ def test_the_loop_to_copy_trains_the_adapters_only(trainee):
     train(trainee.model, [trainee.ids(64) for _ in range(2)], loss_chunk=32)
     moved = {n for n, p in params.items() if not torch.equal(p, before[n])}
     assert moved and moved == {n for n, p in params.items() if p.requires_grad}
+
+
+def test_a_run_stopped_mid_search_leaves_a_report_with_the_probes_so_far(hf, tmp_path, monkeypatch):
+    """``--progress-json`` is written after every probe: a search stopped in its third step (Ctrl-C, the
+    end of a lease) leaves its first two, marked as not done."""
+    from offload_examples.instruments.long_context import strategies as lc
+    from offload_examples.scenarios.long_context import LongContextConfig, run
+
+    real, calls = lc.run_at, []
+
+    def run_at(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lc, "run_at", run_at)
+    progress = tmp_path / "progress.json"
+    config = LongContextConfig.small(**TINY, memory_limit=2 * 2**20, strategies=["checkpoint"], speeds=False,
+                                     progress_json=str(progress))
+    with pytest.raises(KeyboardInterrupt):
+        run(config, CPU, progress=None)
+    entry = json.loads(progress.read_text())["strategies"]["checkpoint"]
+    assert entry["done"] is False and len(entry["probes"]) == 2 and entry["longest"] == entry["probes"][-1]["seq"]
 
 
 def test_bad_input_is_a_clear_error(hf):

@@ -26,7 +26,6 @@ The loop to copy is :func:`train`, at the top of the module.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -87,7 +86,7 @@ class LongContextConfig(Timing, ScenarioConfig):
     host_budget: int | None = None  # pinned host bytes; None: host_budget(), half of what is available
     strategies: list[str] = field(default_factory=lambda: list(lc.STRATEGIES))
     plot: str | None = None  # where to write the plot (PNG), if anywhere
-    progress_json: str | None = None  # where to write the report so far after each strategy, if anywhere
+    progress_json: str | None = None  # where to write the report so far after each probe, if anywhere
     speeds: bool = True  # also time the strategies where they meet (the longest length all ran, checkpointing's)
 
     SMALL = dict(layers=8, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, dtype="float32", lora_rank=4,
@@ -138,10 +137,12 @@ def _build(config: LongContextConfig, device: torch.device) -> lc.Trainee:
 
 
 def _search(trainee: lc.Trainee, config: LongContextConfig, name: str, costs: lc.CostModel | None, limit: int | None,
-            host: int, say: Callable[[str], None], only: int | None = None) -> SearchResult:
+            host: int, say: Callable[[str], None], only: int | None = None,
+            on_probe: Callable[[SearchResult], None] | None = None) -> SearchResult:
     """:func:`~offload_examples.instruments.long_context.probes.search_strategy` at the config's sizes."""
     return probes.search_strategy(trainee, name, costs, limit, host, say, resolution=config.resolution,
-                                  max_seq=config.max_seq, warmup=config.warmup, steps=config.steps, only=only)
+                                  max_seq=config.max_seq, warmup=config.warmup, steps=config.steps, only=only,
+                                  on_probe=on_probe)
 
 
 def run(config: LongContextConfig | None = None, device: torch.device | str | None = None,
@@ -170,13 +171,12 @@ def _run(config: LongContextConfig, device: torch.device, say: Callable[[str], N
     with device_memory_limit(device, config.memory_limit) as limit, expandable_segments(device):
         report["memory_limit_bytes"] = limit
         for name in config.strategies:
-            found = _search(trainee, config, name, costs, limit, host, say)
-            best = found.best
-            results[name] = {"longest": found.longest, "capped": found.capped, "predicted": found.predicted,
-                             "peak_bytes": best and best.peak_bytes, "host_bytes": best and best.host_bytes,
-                             "tokens_per_s": best and best.tokens_per_s, "setting": best.note if best else "",
-                             "probes": [dataclasses.asdict(p) for p in found.probes]}
-            _save_progress(config, report)  # a search cut short keeps what it found
+            def so_far(found: SearchResult, name: str = name) -> None:  # a search cut short keeps what it found
+                results[name] = probes.search_entry(found, done=False)
+                _save_progress(config, report)
+
+            results[name] = probes.search_entry(_search(trainee, config, name, costs, limit, host, say, on_probe=so_far))
+            _save_progress(config, report)
         if config.speeds:
             probes.where_they_meet(trainee, costs, limit, host, report, say, lambda: _save_progress(config, report),
                                    warmup=config.warmup, steps=config.steps)
@@ -241,8 +241,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         parser.add_argument("--plot", type=json_path_arg, metavar="PATH",
                             help="also draw tokens/s against sequence length into PATH (PNG; default: no plot)")
         parser.add_argument("--progress-json", type=json_path_arg, metavar="PATH",
-                            help="write the report so far into PATH after each strategy, so that a search cut "
-                                 "short keeps what it found (default: nowhere)")
+                            help="write the report so far into PATH after each step of the search, so that a "
+                                 "search cut short keeps what it found (default: nowhere)")
         parser.add_argument("--no-speeds", dest="speeds", action="store_const", const=False,
                             help="only search each strategy's longest sequence "
                                  "(default: also time them where they meet)")

@@ -21,7 +21,7 @@ from offload_examples.instruments.measure import (balanced_orders, balanced_roun
 from offload_examples.instruments.report import format_table
 
 __all__ = ["REFERENCE", "SHORT", "as_dict", "at_checkpoints_longest", "check_grads", "format_turns",
-           "search_strategy", "speeds_in_turns", "take_turns"]
+           "search_entry", "search_strategy", "speeds_in_turns", "take_turns"]
 
 #: The strategy the others' steps are compared with at one length, where it ran there: checkpointing,
 #: which every long-context recipe starts from.
@@ -50,8 +50,9 @@ def check_grads(trainee: lc.Trainee, strategies: Sequence[str], resolution: int,
 
 def search_strategy(trainee: lc.Trainee, name: str, costs: lc.CostModel | None, limit: int | None, host: int,
                     say: Callable[[str], None], *, resolution: int, max_seq: int, warmup: int = 1, steps: int = 1,
-                    only: int | None = None) -> SearchResult:
-    """The longest sequence of strategy ``name`` (with ``only``: one probe at ``only`` tokens).
+                    only: int | None = None, on_probe: Callable[[SearchResult], None] | None = None) -> SearchResult:
+    """The longest sequence of strategy ``name`` (with ``only``: one probe at ``only`` tokens); ``on_probe``
+    gets the search so far after each probe (:func:`~offload_examples.instruments.long_context.search.longest_sequence`).
 
     The engine's ``k`` and the planner's plans come from the cost model, whose peaks may fall short of
     what a step measures (the allocator's rounding and fragmentation, temporaries it does not see).
@@ -113,9 +114,19 @@ def search_strategy(trainee: lc.Trainee, name: str, costs: lc.CostModel | None, 
     with lc.strategy_mode(trainee, name):
         found = longest_sequence(probe, resolution=only or resolution, max_seq=only or max_seq,
                                  limit_bytes=limit, predict=predict, progress=say, label=name,
-                                 first=only or first_probe(resolution, max_seq))
+                                 first=only or first_probe(resolution, max_seq), on_probe=on_probe)
     found.setting = ran_with.get(found.longest)
     return found
+
+
+def search_entry(found: SearchResult, done: bool = True) -> dict[str, Any]:
+    """A strategy's search as the report keeps it: the longest length, its step, every probe; ``done``
+    False for a search still under way (the report written after each probe keeps what it found)."""
+    best = found.best
+    return {"longest": found.longest, "capped": found.capped, "predicted": found.predicted, "done": done,
+            "peak_bytes": best and best.peak_bytes, "host_bytes": best and best.host_bytes,
+            "tokens_per_s": best and best.tokens_per_s, "setting": best.note if best else "",
+            "probes": [dataclasses.asdict(p) for p in found.probes]}
 
 
 def as_dict(probe: Probe | None) -> dict[str, Any] | None:

@@ -9,9 +9,9 @@ step's peak memory grows with the length; a line through the successful probes' 
 three are known, for attention kernels whose memory grows with the square of the length) predicts the
 longest length under the limit, and the next probes confirm it: the predicted length, then its
 neighbours, until a length that runs sits one resolution below one that does not (or at ``max_seq``). A
-prediction that misses twice in a row gives way to bisection between the longest length that ran and the
-shortest that did not, and two successes in a row to steps that double: the search always ends, after
-three or four probes where memory grows as measured.
+prediction that misses twice in a row (a caller's model, once) gives way to bisection between the longest
+length that ran and the shortest that did not, and two successes in a row to steps that double: the search
+always ends, after three or four probes where memory grows as measured.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def longest_multiple(fits: Callable[[int], bool], resolution: int, max_seq: int)
 def longest_sequence(run: Callable[[int], Probe], *, resolution: int, max_seq: int, limit_bytes: int | None,
                      predict: Callable[[list[tuple[int, int]]], int] | None = None,
                      progress: Callable[[str], None] | None = None, label: str = "",
-                     first: int | None = None) -> SearchResult:
+                     first: int | None = None, on_probe: Callable[[SearchResult], None] | None = None) -> SearchResult:
     """Search the longest length, a multiple of ``resolution`` up to ``max_seq``, at which ``run`` completes.
 
     ``run(seq)`` runs the training step at ``seq`` tokens and returns its :class:`Probe`; running out of
@@ -123,9 +123,13 @@ def longest_sequence(run: Callable[[int], Probe], *, resolution: int, max_seq: i
     the true boundary, provided the steps' memory grows with the length. ``predict`` replaces the fit
     (:func:`predict_longest`) for a strategy that changes what it does with the length, whose peaks lie
     on no one curve: given the ``(seq, peak_bytes)`` measured so far, it returns the longest length it
-    expects to run. ``progress`` gets one line per probe. ``first``: the first probe's length, a multiple of
+    expects to run. Such a model's miss is followed by bisection at once, not by the length just below
+    it: a model measured at short lengths that overshoots once overshoots its neighbour too (a fitted
+    line, which goes through peaks measured near the limit, is tried once more just below). ``progress`` gets one line per probe. ``first``: the first probe's length, a multiple of
     ``resolution`` (default: one resolution; :func:`first_probe` picks one for long searches), the second
-    twice it; where ``first`` does not run, one resolution is tried next.
+    twice it; where ``first`` does not run, one resolution is tried next. ``on_probe`` gets the result so
+    far after each probe (its ``longest`` the longest length that ran yet), so that a caller can keep a
+    search that is cut short.
     """
     if resolution < 1 or max_seq < 1:
         raise ValueError(f"resolution and max_seq must be positive, got {resolution} and {max_seq}")
@@ -159,6 +163,9 @@ def longest_sequence(run: Callable[[int], Probe], *, resolution: int, max_seq: i
         else:
             hi, streak = min(hi, seq), min(streak, 0) - 1
         say(f"  [{label}] {why:>10} {seq:>8} tokens: " + (_ok_text(p) if p.ok else p.note))
+        result.longest = lo
+        if on_probe is not None:
+            on_probe(result)
 
     probe(first, "first")
     if not lo and first > resolution:  # too long to start with: the shortest length then
@@ -174,7 +181,9 @@ def longest_sequence(run: Callable[[int], Probe], *, resolution: int, max_seq: i
             guess -= guess % resolution
             if result.predicted is None:
                 result.predicted = guess
-        if not fitted or streak <= -2:  # nothing to predict from, or the fit overshot twice: bisect
+        # nothing to predict from, or the fit overshot twice, or the caller's model once (at the longest lengths a
+        # step that runs out of memory costs minutes, and the model's miss says little of the length below): bisect
+        if not fitted or streak <= -2 or (predict is not None and streak < 0):
             guess, why = (lo + hi) // 2 // resolution * resolution, "bisect"
         elif guess <= lo:  # the fit says nothing longer runs: confirm one step above, doubling while it runs
             guess, why = lo + up, "confirm" if up == resolution else "gallop"
