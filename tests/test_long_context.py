@@ -152,6 +152,12 @@ def test_a_models_miss_is_followed_by_bisection_and_each_probe_reaches_on_probe(
     assert fitted.longest == result.longest == 39936  # the same boundary either way
 
 
+def test_a_probe_line_sets_the_cost_models_peak_beside_the_measured_one():
+    line = search._ok_text(Probe(4096, True, 3 * 2**30, 2**30, 1000.0, "k = 3 of 8", 2 * 2**30))
+    assert line.startswith("ran, peak 3.00 GiB (predicted 2.00 GiB), pinned host 1.00 GiB"), line
+    assert "predicted" not in search._ok_text(Probe(4096, True, 3 * 2**30))
+
+
 def test_the_prediction_fits_a_line_then_a_parabola():
     assert predict_longest([(16, 160), (32, 320)], 1000, 16, 4096) == 96
     assert predict_longest([(10, 100), (20, 400), (30, 900)], 2600, 10, 4096) == 50

@@ -18,7 +18,7 @@ from offload_examples.instruments.long_context.memory import OutOfMemoryError
 from offload_examples.instruments.long_context.search import Probe, SearchResult, first_probe, longest_sequence
 from offload_examples.instruments.measure import (balanced_orders, balanced_rounds, compare_tensors, free_memory,
                                                   overhead_spread)
-from offload_examples.instruments.report import format_table
+from offload_examples.instruments.report import format_bytes, format_table
 
 __all__ = ["REFERENCE", "SHORT", "as_dict", "at_checkpoints_longest", "check_grads", "format_turns",
            "search_entry", "search_strategy", "speeds_in_turns", "take_turns"]
@@ -52,7 +52,8 @@ def search_strategy(trainee: lc.Trainee, name: str, costs: lc.CostModel | None, 
                     say: Callable[[str], None], *, resolution: int, max_seq: int, warmup: int = 1, steps: int = 1,
                     only: int | None = None, on_probe: Callable[[SearchResult], None] | None = None) -> SearchResult:
     """The longest sequence of strategy ``name`` (with ``only``: one probe at ``only`` tokens); ``on_probe``
-    gets the search so far after each probe (:func:`~offload_examples.instruments.long_context.search.longest_sequence`).
+    gets the search so far after each probe
+    (:func:`~offload_examples.instruments.long_context.search.longest_sequence`).
 
     The engine's ``k`` and the planner's plans come from the cost model, whose peaks may fall short of
     what a step measures (the allocator's rounding and fragmentation, temporaries it does not see).
@@ -84,7 +85,10 @@ def search_strategy(trainee: lc.Trainee, name: str, costs: lc.CostModel | None, 
                 if not new(setting):  # the raised error changes nothing
                     setting = fallback()
             if not new(setting):
-                raise OutOfMemoryError(f"out of memory with {len(tried)} settings, the last {tried[-1].note}")
+                last = tried[-1]
+                peak = last.predicted_peak_bytes
+                predicted = f", predicted peak {format_bytes(peak)}" if peak else ""
+                raise OutOfMemoryError(f"out of memory with {len(tried)} settings, the last {last.note}{predicted}")
             tried.append(setting)
             predicted = setting.predicted_peak_bytes
             try:

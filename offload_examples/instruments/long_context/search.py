@@ -35,7 +35,8 @@ class Probe:
     ``peak_bytes``: the step's peak device memory; ``host_bytes``: the pinned host memory the offload
     engine held at once, as the pinned allocator reserves it (each buffer rounded up to a power of two);
     ``tokens_per_s``: tokens trained per second (median step time); ``note``: why it failed, or what the
-    strategy ran (the plan, the number of offloaded layers).
+    strategy ran (the plan, the number of offloaded layers); ``predicted_peak_bytes``: the peak the cost
+    model predicted for what ran, where a model chose it (the engine's ``k``, the planner's plan).
     """
 
     seq: int
@@ -44,6 +45,7 @@ class Probe:
     host_bytes: int | None = None
     tokens_per_s: float | None = None
     note: str = ""
+    predicted_peak_bytes: int | None = None
 
 
 @dataclass
@@ -125,8 +127,9 @@ def longest_sequence(run: Callable[[int], Probe], *, resolution: int, max_seq: i
     on no one curve: given the ``(seq, peak_bytes)`` measured so far, it returns the longest length it
     expects to run. Such a model's miss is followed by bisection at once, not by the length just below
     it: a model measured at short lengths that overshoots once overshoots its neighbour too (a fitted
-    line, which goes through peaks measured near the limit, is tried once more just below). ``progress`` gets one line per probe. ``first``: the first probe's length, a multiple of
-    ``resolution`` (default: one resolution; :func:`first_probe` picks one for long searches), the second
+    line, which goes through peaks measured near the limit, is tried once more just below). ``progress``
+    gets one line per probe. ``first``: the first probe's length, a multiple of ``resolution`` (default:
+    one resolution; :func:`first_probe` picks one for long searches), the second
     twice it; where ``first`` does not run, one resolution is tried next. ``on_probe`` gets the result so
     far after each probe (its ``longest`` the longest length that ran yet), so that a caller can keep a
     search that is cut short.
@@ -199,6 +202,8 @@ def longest_sequence(run: Callable[[int], Probe], *, resolution: int, max_seq: i
 
 def _ok_text(p: Probe) -> str:
     parts = [f"ran, peak {format_bytes(p.peak_bytes)}" if p.peak_bytes is not None else "ran"]
+    if p.predicted_peak_bytes:  # how far the cost model was off, length by length
+        parts[0] += f" (predicted {format_bytes(p.predicted_peak_bytes)})"
     if p.host_bytes:
         parts.append(f"pinned host {format_bytes(p.host_bytes)}")
     if p.tokens_per_s is not None:

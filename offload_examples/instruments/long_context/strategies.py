@@ -321,7 +321,8 @@ def run_at(trainee: Trainee, setting: Setting, seq: int, *, limit_bytes: int | N
     kept = any(issubclass(w.category, OffloadWarning) for w in caught)
     note = setting.note + ("; the host budget kept some tensors on the device" if kept else "")
     times.sort()
-    return Probe(seq, True, peak, host, trainee.batch * seq / times[len(times) // 2], note.strip("; "))
+    return Probe(seq, True, peak, host, trainee.batch * seq / times[len(times) // 2], note.strip("; "),
+                 setting.predicted_peak_bytes)
 
 
 def gradients_at(trainee: Trainee, setting: Setting, seq: int, host_budget_bytes: int) -> tuple[dict, int]:
