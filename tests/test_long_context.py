@@ -76,7 +76,8 @@ def test_the_search_finds_the_boundary_within_the_resolution(a, b, c, monkeypatc
     _assert_boundary(result, lambda s: peak(s) <= limit)
     assert len(lines) == len(result.probes) and all("[sim]" in line for line in lines)  # a line per probe
     assert any(not p.ok for p in result.probes)  # a refusal was caught
-    assert len(freed) == len(result.probes)  # freed after every probe: no length's pinned blocks stay cached
+    # freed before every probe (no length's pinned blocks stay cached for the next) and after each failed one
+    assert len(freed) == len(result.probes) + sum(not p.ok for p in result.probes)
     assert len(result.probes) <= 8
 
 
@@ -156,6 +157,21 @@ def test_a_probe_line_sets_the_cost_models_peak_beside_the_measured_one():
     line = search._ok_text(Probe(4096, True, 3 * 2**30, 2**30, 1000.0, "k = 3 of 8", 2 * 2**30))
     assert line.startswith("ran, peak 3.00 GiB (predicted 2.00 GiB), pinned host 1.00 GiB"), line
     assert "predicted" not in search._ok_text(Probe(4096, True, 3 * 2**30))
+
+
+def test_the_cost_model_scales_each_storage_so_plans_count_pinned_memory_as_the_engine_pins_it():
+    """Each offloaded storage is a pinned buffer of its own, rounded up to a power of two: a layer that saves
+    three storages of 10,240 bytes pins three of 16,384, not one buffer of 32,768 for their 30,720 bytes."""
+    from offload_examples.features.planner import OFFLOAD, LinkCost, plan_host_bytes
+    from offload_examples.instruments.long_context import strategies as lc
+
+    costs = lc.CostModel(1024, (3 * 5120, 7), (4096, 4096), 0.1, 0, 0, LinkCost(1.0, 1.0, 1.0), 0,
+                         ((5120, 5120, 5120), None))
+    layers, _ = costs.at(2048)
+    assert layers[0].storage_bytes == (10240,) * 3 and layers[1].storage_bytes is None
+    assert plan_host_bytes((OFFLOAD,), layers[:1]) == 3 * 16384
+    odd, _ = lc.CostModel(3, (10,), (4,), 0.1, 0, 0, LinkCost(1.0, 1.0, 1.0), 0, ((3, 3, 4),)).at(4)
+    assert sum(odd[0].storage_bytes) == odd[0].saved_bytes == 13  # what rounding leaves goes to the largest
 
 
 def test_the_prediction_fits_a_line_then_a_parabola():

@@ -18,7 +18,8 @@ overwrite them and no replay can write into freed memory.
 
 PyTorch's pinned allocator reserves the next power of two of every request (:func:`pinned_nbytes`), so
 a pool that pins reserves more than it lends: it counts both, the bytes lent (``held_bytes``) and the
-bytes pinned (``pinned_bytes``), and its limit applies to the pinned ones, the memory the OS sees locked.
+bytes pinned (``pinned_bytes``), and its limit applies to the pinned ones, the memory its buffers lock
+(a buffer a non-retaining pool gives back leaves both counts but stays pinned in PyTorch's cache).
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ class HostBufferPool:
         #: Most bytes the pool ever held at once (as :attr:`held_bytes` counts them).
         self.peak_bytes = 0
         #: Host bytes the pool's buffers really take (:func:`pinned_nbytes` of each when the pool pins):
-        #: the pinned memory the OS sees, and what ``limit_bytes`` caps.
+        #: the pinned memory they lock, and what ``limit_bytes`` caps.
         self.pinned_bytes = 0
         #: Most bytes the pool ever took at once (as :attr:`pinned_bytes` counts them).
         self.peak_pinned_bytes = 0
@@ -168,9 +169,10 @@ class HostBufferPool:
         # the limit is on what the allocator reserves, not on what is asked: the OS runs out of the former
         reserved = pinned_nbytes(nbytes, self.pin_memory)
         if self.limit_bytes is not None and self.pinned_bytes + reserved > self.limit_bytes:
+            rounded = f" ({reserved} reserved by the pinned allocator)" if reserved != nbytes else ""
             raise HostMemoryLimitError(
-                f"offloading {nbytes} more bytes ({reserved} reserved by the pinned allocator) would exceed "
-                f"the host memory limit of {self.limit_bytes} bytes ({self.pinned_bytes} reserved)"
+                f"offloading {nbytes} more bytes{rounded} would exceed the host memory limit of "
+                f"{self.limit_bytes} bytes ({self.pinned_bytes} reserved)"
             )
         data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
         self.allocations += 1

@@ -90,7 +90,7 @@ def plan_host_bytes(choices: Sequence[Choice | str], costs: Sequence[LayerCost],
                     caps: Sequence[int | None] | None = None) -> int:
     """The pinned host bytes a plan holds: what its offloaded layers copy out (a capped layer's share,
     a RECOMPUTE_OFFLOAD layer's input), each storage rounded up to a power of two as PyTorch pins it
-    (a layer whose ``storage_bytes`` are unknown as one buffer). All of it is held at once: every copy
+    (a layer whose ``storage_bytes`` are unknown as one buffer, an estimate). All of it is held at once: every copy
     has left by the end of the forward, and the pool keeps its buffers for the next step."""
     choices = tuple(Choice(c) for c in choices)
     caps = _checked_caps(caps, choices)
@@ -111,8 +111,10 @@ def _pinned_copied_bytes(cost: LayerCost, choice: Choice, cap: int | None = None
 
     Each offloaded storage is a host buffer of its own, and PyTorch's pinned allocator reserves the next
     power of two of each (:func:`~offload_examples.core.host_pool.pinned_nbytes`): the storages the cap
-    takes (as :func:`capped_bytes` walks them) are rounded one by one, a RECOMPUTE_OFFLOAD layer's input
-    as one tensor, and a layer whose ``storage_bytes`` are unknown as one buffer.
+    takes (as :func:`capped_bytes` walks them) are rounded one by one, and a RECOMPUTE_OFFLOAD layer's input
+    as one tensor. A layer whose ``storage_bytes`` are unknown is rounded as one buffer: an estimate, which
+    may fall short of what the engine pins (it rounds each storage) or exceed it; give the sizes to count
+    exactly, as :func:`~offload_examples.instruments.plan_costs.measure_costs` does.
     """
     # always rounded: on a CPU the engine's pool pins nothing, but a plan is made for the GPU, where it does
     if choice is RECOMPUTE_OFFLOAD:

@@ -2,9 +2,9 @@
 
 :func:`longest_sequence` probes lengths that are multiples of a resolution. Each probe runs a training
 step (``run(seq)``, which returns a :class:`Probe`); one that runs out of memory raises
-``torch.OutOfMemoryError``, which the search catches and goes on. After every probe it frees what the
-step left (:func:`~offload_examples.instruments.measure.free_memory`), the pinned host blocks PyTorch
-caches included. The first two probes (a length and twice it, :func:`first_probe`) measure how the
+``torch.OutOfMemoryError``, which the search catches and goes on. Before every probe, and after a failed
+one, it frees what steps left (:func:`~offload_examples.instruments.measure.free_memory`), the pinned host
+blocks PyTorch caches included. The first two probes (a length and twice it, :func:`first_probe`) measure how the
 step's peak memory grows with the length; a line through the successful probes' peaks (a parabola once
 three are known, for attention kernels whose memory grows with the square of the length) predicts the
 longest length under the limit, and the next probes confirm it: the predicted length, then its
@@ -151,15 +151,16 @@ def longest_sequence(run: Callable[[int], Probe], *, resolution: int, max_seq: i
 
     def probe(seq: int, why: str) -> None:
         nonlocal lo, hi, streak
+        # before every probe (each at a length of its own): PyTorch's pinned allocator caches the blocks a step
+        # gave back, by power-of-two size, and a block reserved for one length's tensors rarely fits the next
+        # length's, so without this the cached blocks of each length tried stack up in host memory that the
+        # host budget does not count. Not after the last one: steps at that length may follow (speeds in turns)
+        free_memory(pinned=True)
         try:
             p = run(seq)
         except OutOfMemoryError as e:
             p = Probe(seq, False, note=f"out of memory: {str(e).splitlines()[0][:120]}")
-        # after every probe, not only a failed one: PyTorch's pinned allocator caches the blocks a step gave
-        # back, by power-of-two size, and a block reserved for one length's tensors rarely fits the next
-        # length's, so without this the cached blocks of each length tried stack up in host memory that the
-        # host budget does not count (a step that ran out of memory may also have pinned its copies)
-        free_memory(pinned=True)
+            free_memory(pinned=True)  # what the failed step held, its pinned copies included
         result.probes.append(p)
         if p.ok:
             lo, streak = max(lo, seq), max(streak, 0) + 1

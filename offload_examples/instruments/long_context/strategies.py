@@ -102,7 +102,9 @@ class CostModel:
     ``saved_bytes`` and ``input_bytes``: per layer, what its forward saves and its input (what a checkpoint
     keeps); ``layer_ms``: one layer's forward time; ``static_bytes``: weights and optimizer state;
     ``other_bytes``: the part of the rest of the step's peak (the backward's temporaries) that grows with
-    the length, and ``other_fixed_bytes`` the part that does not (a chunk of the loss's logits).
+    the length, and ``other_fixed_bytes`` the part that does not (a chunk of the loss's logits);
+    ``storage_bytes``: per layer, the bytes of each storage it saves (``None`` where unknown), which the
+    planner needs to count pinned host memory, each storage a buffer rounded up to a power of two.
     """
 
     seq: int
@@ -113,13 +115,25 @@ class CostModel:
     other_bytes: int
     link: LinkCost
     other_fixed_bytes: int = 0
+    storage_bytes: tuple[tuple[int, ...] | None, ...] | None = None
 
     def at(self, seq: int) -> tuple[list[LayerCost], int]:
-        """``(one LayerCost per layer, base bytes)`` at ``seq`` tokens, for :func:`plan`."""
-        f = seq / self.seq
-        costs = [LayerCost(self.layer_ms * f, 2 * self.layer_ms * f, round(s * f), round(i * f))
-                 for s, i in zip(self.saved_bytes, self.input_bytes)]
+        """``(one LayerCost per layer, base bytes)`` at ``seq`` tokens, for :func:`plan`: every size scaled
+        with the length, as the activations are."""
+        f, sizes = seq / self.seq, self.storage_bytes or (None,) * len(self.saved_bytes)
+        costs = [LayerCost(self.layer_ms * f, 2 * self.layer_ms * f, round(s * f), round(i * f),
+                           storage_bytes=_scaled(each, f, round(s * f)))
+                 for s, i, each in zip(self.saved_bytes, self.input_bytes, sizes)]
         return costs, self.static_bytes + self.other_fixed_bytes + round(self.other_bytes * f)
+
+
+def _scaled(sizes: tuple[int, ...] | None, f: float, total: int) -> tuple[int, ...] | None:
+    """Storage sizes scaled by ``f`` that add up to ``total`` (what rounding leaves over goes to the largest)."""
+    if not sizes:
+        return None
+    scaled = [round(size * f) for size in sizes]
+    scaled[scaled.index(max(scaled))] += total - sum(scaled)
+    return tuple(scaled)
 
 
 def measure_cost_model(trainee: Trainee, seq: int, link: LinkCost) -> CostModel:
@@ -131,7 +145,7 @@ def measure_cost_model(trainee: Trainee, seq: int, link: LinkCost) -> CostModel:
     at a few thousand tokens the rest of the peak is no longer dominated by what does not grow (a chunk
     of the loss's logits): a line through the two gives the part that grows and the part that does not.
     """
-    ms, saved, _, static = _measure_step(trainee, seq)
+    ms, saved, _, static, sizes = _measure_step(trainee, seq)
     width = trainee.model.get_base_model().config.hidden_size
     element = next(p for p in trainee.model.parameters() if p.is_floating_point()).element_size()
     inputs = (trainee.batch * seq * width * element,) * trainee.layers
@@ -141,11 +155,12 @@ def measure_cost_model(trainee: Trainee, seq: int, link: LinkCost) -> CostModel:
             rest.append(_measure_step(trainee, n)[2] - max(saved) * n // seq)
     per_token = max((rest[1] - rest[0]) / (lengths[1] - lengths[0]), 0.0)
     fixed = max(round(rest[0] - per_token * lengths[0]), 0)
-    return CostModel(seq, saved, inputs, ms / 3 / trainee.layers, static, round(per_token * seq), link, fixed)
+    return CostModel(seq, saved, inputs, ms / 3 / trainee.layers, static, round(per_token * seq), link, fixed, sizes)
 
 
-def _measure_step(trainee: Trainee, seq: int) -> tuple[float, tuple[int, ...], int, int]:
-    """``(step ms, saved bytes per layer, the rest of the peak, static bytes)`` of a step at ``seq`` tokens."""
+def _measure_step(trainee: Trainee, seq: int) -> tuple[float, tuple[int, ...], int, int, tuple]:
+    """``(step ms, saved bytes per layer, the rest of the peak, static bytes, each layer's storage sizes)`` of a
+    step at ``seq`` tokens (a layer's sizes ``None`` where they do not add up to its saved bytes)."""
     ids = trainee.ids(seq)
     handle = offload_layers(trainee.model, trainee.layer_cls, num_layers=0, device=trainee.device)
     try:
@@ -158,11 +173,13 @@ def _measure_step(trainee: Trainee, seq: int) -> tuple[float, tuple[int, ...], i
                 torch.cuda.synchronize(trainee.device)
             ms = (time.perf_counter() - start) * 1e3
         saved = tuple(s.candidate_bytes for s in handle.ctx.stats)
+        sizes = tuple(tuple(s.candidate_sizes) if sum(s.candidate_sizes) == s.candidate_bytes else None
+                      for s in handle.ctx.stats)
     finally:
         handle.remove()
     if trainee.device.type == "cuda":
         static = torch.cuda.memory_allocated(trainee.device)
-    return ms, saved, max(mem["peak_bytes"] - static - sum(saved), 0), static
+    return ms, saved, max(mem["peak_bytes"] - static - sum(saved), 0), static, sizes
 
 
 @dataclass(frozen=True)
