@@ -78,6 +78,9 @@ def test_the_search_finds_the_boundary_within_the_resolution(a, b, c, monkeypatc
     assert any(not p.ok for p in result.probes)  # a refusal was caught
     # freed before every probe (no length's pinned blocks stay cached for the next) and after each failed one
     assert len(freed) == len(result.probes) + sum(not p.ok for p in result.probes)
+    freed.clear()  # a search at one length (strategies warmed up there to take turns) keeps what others cached
+    assert longest_sequence(_run_under(peak, limit), resolution=64, max_seq=64, limit_bytes=limit).longest == 64
+    assert not freed
     assert len(result.probes) <= 8
 
 
@@ -149,6 +152,10 @@ def test_a_models_miss_is_followed_by_bisection_and_each_probe_reaches_on_probe(
     seqs = [p.seq for p in result.probes]
     assert seqs[:4] == [4096, 8192, 65536, (8192 + 65536) // 2 // 1024 * 1024], seqs  # no 64,512 after the miss
     assert seen == [(n, max([p.seq for p in result.probes[:n] if p.ok], default=0)) for n in range(1, len(seqs) + 1)]
+    # a slope probe (twice the first length) that does not run is no miss of the model: its length comes next
+    slope = longest_sequence(_run_under(peak, limit), resolution=1024, max_seq=131072, limit_bytes=limit,
+                             predict=lambda points: 39936, first=32768)
+    assert [(p.seq, p.ok) for p in slope.probes] == [(32768, True), (65536, False), (39936, True), (40960, False)]
     fitted = longest_sequence(_run_under(peak, limit), resolution=1024, max_seq=131072, limit_bytes=limit, first=4096)
     assert fitted.longest == result.longest == 39936  # the same boundary either way
 
@@ -171,7 +178,11 @@ def test_the_cost_model_scales_each_storage_so_plans_count_pinned_memory_as_the_
     assert layers[0].storage_bytes == (10240,) * 3 and layers[1].storage_bytes is None
     assert plan_host_bytes((OFFLOAD,), layers[:1]) == 3 * 16384
     odd, _ = lc.CostModel(3, (10,), (4,), 0.1, 0, 0, LinkCost(1.0, 1.0, 1.0), 0, ((3, 3, 4),)).at(4)
-    assert sum(odd[0].storage_bytes) == odd[0].saved_bytes == 13  # what rounding leaves goes to the largest
+    assert sum(odd[0].storage_bytes) == odd[0].saved_bytes == 13
+    tiny, _ = lc.CostModel(100, (50,), (4,), 0.1, 0, 0, LinkCost(1.0, 1.0, 1.0), 0, ((5,) * 10,)).at(30)
+    assert tiny[0].storage_bytes == (2,) * 5 + (1,) * 5  # 15 bytes for ten storages of 1.5: none below zero
+    with pytest.raises(ValueError, match="storage_bytes has 1 entries for 2 layers"):
+        lc.CostModel(1, (1, 1), (1, 1), 0.1, 0, 0, LinkCost(1.0, 1.0, 1.0), 0, ((1,),)).at(2)
 
 
 def test_the_prediction_fits_a_line_then_a_parabola():

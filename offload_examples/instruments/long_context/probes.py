@@ -205,6 +205,7 @@ def speeds_in_turns(trainee: lc.Trainee, names: Sequence[str], seq: int, costs: 
     :data:`REFERENCE`'s of the same round (``against``, ``overhead``, ``overhead_quartiles`` and
     ``overhead_range``), where that one ran. A strategy whose probe did not run gets its probe.
     """
+    free_memory(pinned=True)  # the searches' pinned blocks, cached for other lengths; the probes below share theirs
     found = {name: search_strategy(trainee, name, costs, limit, host, say, resolution=seq, max_seq=seq,
                                    warmup=warmup, steps=steps, only=seq) for name in names}
     settings = {name: f.setting for name, f in found.items() if f.setting is not None}

@@ -2,16 +2,17 @@
 
 :func:`longest_sequence` probes lengths that are multiples of a resolution. Each probe runs a training
 step (``run(seq)``, which returns a :class:`Probe`); one that runs out of memory raises
-``torch.OutOfMemoryError``, which the search catches and goes on. Before every probe, and after a failed
-one, it frees what steps left (:func:`~offload_examples.instruments.measure.free_memory`), the pinned host
-blocks PyTorch caches included. The first two probes (a length and twice it, :func:`first_probe`) measure how the
-step's peak memory grows with the length; a line through the successful probes' peaks (a parabola once
-three are known, for attention kernels whose memory grows with the square of the length) predicts the
-longest length under the limit, and the next probes confirm it: the predicted length, then its
-neighbours, until a length that runs sits one resolution below one that does not (or at ``max_seq``). A
-prediction that misses twice in a row (a caller's model, once) gives way to bisection between the longest
-length that ran and the shortest that did not, and two successes in a row to steps that double: the search
-always ends, after three or four probes where memory grows as measured.
+``torch.OutOfMemoryError``, which the search catches and goes on. Before every probe (of a search over
+several lengths), and after a failed one, it frees what steps left
+(:func:`~offload_examples.instruments.measure.free_memory`), the pinned host blocks PyTorch caches
+included. The first two probes (a length and twice it, :func:`first_probe`) measure how the step's peak
+memory grows with the length; a line through the successful probes' peaks (a parabola once three are
+known, for attention kernels whose memory grows with the square of the length) predicts the longest
+length under the limit, and the next probes confirm it: the predicted length, then its neighbours, until
+a length that runs sits one resolution below one that does not (or at ``max_seq``). A prediction that
+misses twice in a row (a caller's model, once) gives way to bisection between the longest length that ran
+and the shortest that did not, and two successes in a row to steps that double: the search always ends,
+after three or four probes where memory grows as measured.
 """
 
 from __future__ import annotations
@@ -148,20 +149,24 @@ def longest_sequence(run: Callable[[int], Probe], *, resolution: int, max_seq: i
     result = SearchResult(0, resolution)
     lo, hi = 0, max_seq + resolution  # the longest that ran, the shortest that did not (or past max_seq)
     streak = 0  # successes in a row (> 0) or failures in a row (< 0)
+    missed = False  # the last probe was a predicted length that did not run
 
     def probe(seq: int, why: str) -> None:
-        nonlocal lo, hi, streak
-        # before every probe (each at a length of its own): PyTorch's pinned allocator caches the blocks a step
-        # gave back, by power-of-two size, and a block reserved for one length's tensors rarely fits the next
-        # length's, so without this the cached blocks of each length tried stack up in host memory that the
-        # host budget does not count. Not after the last one: steps at that length may follow (speeds in turns)
-        free_memory(pinned=True)
+        nonlocal lo, hi, streak, missed
+        # before every probe of a search over lengths (each at a length of its own): PyTorch's pinned allocator
+        # caches the blocks a step gave back, by power-of-two size, and a block reserved for one length's tensors
+        # rarely fits the next length's, so without this the cached blocks of each length tried stack up in host
+        # memory that the host budget does not count. A search at one length (strategies warmed up there, to
+        # take turns) keeps what the others left at that length
+        if max_seq > resolution:
+            free_memory(pinned=True)
         try:
             p = run(seq)
         except OutOfMemoryError as e:
             p = Probe(seq, False, note=f"out of memory: {str(e).splitlines()[0][:120]}")
             free_memory(pinned=True)  # what the failed step held, its pinned copies included
         result.probes.append(p)
+        missed = not p.ok and why in ("predicted", "below")
         if p.ok:
             lo, streak = max(lo, seq), max(streak, 0) + 1
         else:
@@ -187,7 +192,7 @@ def longest_sequence(run: Callable[[int], Probe], *, resolution: int, max_seq: i
                 result.predicted = guess
         # nothing to predict from, or the fit overshot twice, or the caller's model once (at the longest lengths a
         # step that runs out of memory costs minutes, and the model's miss says little of the length below): bisect
-        if not fitted or streak <= -2 or (predict is not None and streak < 0):
+        if not fitted or streak <= -2 or (predict is not None and missed):
             guess, why = (lo + hi) // 2 // resolution * resolution, "bisect"
         elif guess <= lo:  # the fit says nothing longer runs: confirm one step above, doubling while it runs
             guess, why = lo + up, "confirm" if up == resolution else "gallop"

@@ -24,6 +24,7 @@ choice far more closely, at one length and many steps' cost.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import warnings
 from collections.abc import Iterator
@@ -121,6 +122,8 @@ class CostModel:
         """``(one LayerCost per layer, base bytes)`` at ``seq`` tokens, for :func:`plan`: every size scaled
         with the length, as the activations are."""
         f, sizes = seq / self.seq, self.storage_bytes or (None,) * len(self.saved_bytes)
+        if len(sizes) != len(self.saved_bytes):
+            raise ValueError(f"storage_bytes has {len(sizes)} entries for {len(self.saved_bytes)} layers")
         costs = [LayerCost(self.layer_ms * f, 2 * self.layer_ms * f, round(s * f), round(i * f),
                            storage_bytes=_scaled(each, f, round(s * f)))
                  for s, i, each in zip(self.saved_bytes, self.input_bytes, sizes)]
@@ -128,11 +131,14 @@ class CostModel:
 
 
 def _scaled(sizes: tuple[int, ...] | None, f: float, total: int) -> tuple[int, ...] | None:
-    """Storage sizes scaled by ``f`` that add up to ``total`` (what rounding leaves over goes to the largest)."""
+    """Storage sizes scaled by ``f`` that add up to ``total``: each rounded down, then one byte more to those
+    rounding cut most, until they add up (none below zero, each within a byte of its share)."""
     if not sizes:
         return None
-    scaled = [round(size * f) for size in sizes]
-    scaled[scaled.index(max(scaled))] += total - sum(scaled)
+    exact = [size * f for size in sizes]
+    scaled = [math.floor(x) for x in exact]
+    for i in sorted(range(len(exact)), key=lambda i: scaled[i] - exact[i])[:max(total - sum(scaled), 0)]:
+        scaled[i] += 1
     return tuple(scaled)
 
 
