@@ -9,7 +9,6 @@ offloading, round by round. :func:`format_report` prints the rows and the checks
 
 from __future__ import annotations
 
-import gc
 import itertools
 import statistics
 from functools import partial
@@ -77,8 +76,7 @@ def pool_growth(capture: Callable[[], T]) -> tuple[T, int]:
     The pools alone are counted: the growth of all reserved memory would also count the eager warm-up
     before the capture, as much as the blocks left free by earlier work do not absorb it. The cache is
     emptied first (after a collection), since dead graphs' pools stay in the count until it is."""
-    gc.collect()
-    free_memory()
+    free_memory()  # collects, then empties the cache
     before = graph_pools_bytes()
     result = capture()
     torch.cuda.synchronize()

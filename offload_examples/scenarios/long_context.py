@@ -137,8 +137,8 @@ def _build(config: LongContextConfig, device: torch.device) -> lc.Trainee:
 
 
 def _search(trainee: lc.Trainee, config: LongContextConfig, name: str, costs: lc.CostModel | None, limit: int | None,
-            host: int, say: Callable[[str], None], only: int | None = None,
-            on_probe: Callable[[SearchResult], None] | None = None) -> SearchResult:
+            host: int, say: Callable[[str], None], on_probe: Callable[[SearchResult], None] | None = None,
+            only: int | None = None) -> SearchResult:
     """:func:`~offload_examples.instruments.long_context.probes.search_strategy` at the config's sizes."""
     return probes.search_strategy(trainee, name, costs, limit, host, say, resolution=config.resolution,
                                   max_seq=config.max_seq, warmup=config.warmup, steps=config.steps, only=only,
@@ -175,7 +175,7 @@ def _run(config: LongContextConfig, device: torch.device, say: Callable[[str], N
                 results[name] = probes.search_entry(found, done=False)
                 _save_progress(config, report)
 
-            results[name] = probes.search_entry(_search(trainee, config, name, costs, limit, host, say, on_probe=so_far))
+            results[name] = probes.search_entry(_search(trainee, config, name, costs, limit, host, say, so_far))
             _save_progress(config, report)
         if config.speeds:
             probes.where_they_meet(trainee, costs, limit, host, report, say, lambda: _save_progress(config, report),
