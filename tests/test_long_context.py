@@ -274,6 +274,29 @@ def test_each_strategy_runs_and_its_adapter_gradients_equal_the_plain_ones(train
     assert len({group.split()[0] for group in setting.note.split(", ")}) > 1, setting.note
 
 
+def test_the_cost_model_predicts_a_checkpointed_peak_far_beyond_its_steps(trainee, monkeypatch):
+    """The checkpointed steps of the cost model run at 16 and 32 times its length (at most ``max_seq``):
+    there the memory that grows with the length sets the peak, and the line through them predicts the peak
+    of a step eight times longer, never below it."""
+    from offload_examples.features.planner import RECOMPUTE, simulate_plan
+    from offload_examples.instruments.long_context import strategies as lc
+    from offload_examples.instruments.plan_costs import measure_link
+
+    lengths, measure = [], lc._measure_step
+    monkeypatch.setattr(lc, "_measure_step", lambda t, n: (lengths.append(n), measure(t, n))[1])
+    link = measure_link(CPU, 2**20)
+    assert lc.measure_cost_model(trainee, 16, link, max_seq=256) and lengths == [16, 128, 256]
+    lengths.clear()
+    costs = lc.measure_cost_model(trainee, 16, link)
+    assert lengths == [16, 256, 512]
+    with lc.strategy_mode(trainee, "checkpoint"):
+        ran = lc.run_at(trainee, lc.choose("checkpoint", 4096, trainee.layers, costs, None, 2**30), 4096,
+                        limit_bytes=None, host_budget_bytes=2**30, warmup=0, steps=1)
+    layer_costs, base = costs.at(4096)
+    predicted = simulate_plan((RECOMPUTE,) * trainee.layers, layer_costs, costs.link, base)[0]
+    assert ran.peak_bytes <= predicted <= 1.05 * ran.peak_bytes
+
+
 def test_without_speeds_the_run_only_searches(hf):
     """``--no-speeds``: each strategy's longest sequence, and no steps where they meet (at a length near
     the longest, on a big model, each of those takes minutes)."""

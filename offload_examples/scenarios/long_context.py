@@ -161,7 +161,7 @@ def _run(config: LongContextConfig, device: torch.device, say: Callable[[str], N
     costs = None  # what the engine's k and the planner's plans are chosen from
     if {"engine", "planner"} & set(config.strategies):
         link = measure_link(device, 2**20 * (256 if device.type == "cuda" else 4))
-        costs = lc.measure_cost_model(trainee, min(config.resolution, probes.SHORT), link)
+        costs = lc.measure_cost_model(trainee, min(config.resolution, probes.SHORT), link, config.max_seq)
     grads, offloaded = probes.check_grads(trainee, config.strategies, config.resolution, costs, host)
     say("gradients bitwise equal to no offloading's: " + ", ".join(f"{n} {g['equal']}" for n, g in grads.items()))
     results: dict[str, Any] = {}

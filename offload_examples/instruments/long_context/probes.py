@@ -58,20 +58,22 @@ def search_strategy(trainee: lc.Trainee, name: str, costs: lc.CostModel | None, 
     The engine's ``k`` and the planner's plans come from the cost model, whose peaks may fall short of
     what a step measures (the allocator's rounding and fragmentation, temporaries it does not see).
     Each step that peaks above its prediction, or runs out of memory although predicted to fit, raises
-    ``error``, the largest shortfall seen (a ratio), and later settings are chosen under the limit
-    divided by ``1 + error``: the search learns how far to trust the model. A length whose setting
-    runs out of memory is tried again with the setting the raised error chooses, then with the one of
+    ``shortfall``, the most bytes the model fell short by, and later settings are chosen under the limit
+    less ``shortfall``: the search learns how far to trust the model. Bytes, not a ratio: what the model
+    misses at the short first steps (workspaces, the allocator's blocks) does not grow with the length,
+    and a ratio learned there would cut the budget near the limit by many times as much. A length whose
+    setting runs out of memory is tried again with the setting the raised shortfall chooses, then with the one of
     the lowest predicted peak, and last with the one that holds least
     (:func:`~offload_examples.instruments.long_context.strategies.least_memory`).
     """
-    error = 0.0
+    shortfall = 0
     ran_with: dict[int, lc.Setting] = {}  # per length, the setting that ran there last
 
     def budget() -> int | None:
-        return None if limit is None else int(limit / (1 + error))
+        return None if limit is None else max(limit - shortfall, 0)
 
     def probe(seq: int) -> Probe:
-        nonlocal error
+        nonlocal shortfall
         tried: list[lc.Setting] = []
 
         def new(setting: lc.Setting) -> bool:  # one that differs in what runs, not only in its prediction
@@ -82,7 +84,7 @@ def search_strategy(trainee: lc.Trainee, name: str, costs: lc.CostModel | None, 
             setting = lc.choose(name, seq, trainee.layers, costs, budget(), host)
             for fallback in (lambda: lc.choose(name, seq, trainee.layers, costs, 0, host),  # the lowest predicted peak
                              lambda: lc.least_memory(name, trainee.layers, costs, seq, host)):
-                if not new(setting):  # the raised error changes nothing
+                if not new(setting):  # the raised shortfall changes nothing
                     setting = fallback()
             if not new(setting):
                 last = tried[-1]
@@ -98,17 +100,17 @@ def search_strategy(trainee: lc.Trainee, name: str, costs: lc.CostModel | None, 
                 if name not in ("engine", "planner"):  # one setting at every length: nothing else to try
                     raise
                 if predicted and limit and setting.fits:  # it needed more than the limit: plan strictly below it now
-                    error = max(error, limit / max(predicted - 1, 1) - 1)
+                    shortfall = max(shortfall, limit - predicted + 1)
                 free_memory(pinned=True)
                 continue  # what the model now chooses, or a fallback
             if predicted and ran.peak_bytes:
-                error = max(error, ran.peak_bytes / predicted - 1)
+                shortfall = max(shortfall, ran.peak_bytes - predicted)
             ran_with[seq] = setting
             return ran
 
     predict = None
     if name in ("engine", "planner") and only is None:  # the cost model, not a fit: their setting changes with length
-        longest_for: dict[int | None, int] = {}  # per budget: a bisection of plans, redone only when error moves
+        longest_for: dict[int | None, int] = {}  # per budget: a bisection of plans, redone only when shortfall moves
 
         def predict(_: list[tuple[int, int]]) -> int:
             if budget() not in longest_for:

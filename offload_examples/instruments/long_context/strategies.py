@@ -142,20 +142,26 @@ def _scaled(sizes: tuple[int, ...] | None, f: float, total: int) -> tuple[int, .
     return tuple(scaled)
 
 
-def measure_cost_model(trainee: Trainee, seq: int, link: LinkCost) -> CostModel:
+def measure_cost_model(trainee: Trainee, seq: int, link: LinkCost, max_seq: int | None = None) -> CostModel:
     """Measure a :class:`CostModel`: each layer's saved bytes and time from a step at ``seq`` tokens with
     nothing checkpointed (the engine's probe counts them), and the rest of the peak from two steps with
-    every layer checkpointed, at ``4 seq`` and ``8 seq`` tokens (each step after one to warm up).
+    every layer checkpointed, at ``16 seq`` and ``32 seq`` tokens (half ``max_seq`` and ``max_seq`` where
+    that is shorter, never below ``seq`` and ``2 seq``; each step after one to warm up).
 
-    The checkpointed steps are what long sequences run (they fit where keeping everything does not), and
-    at a few thousand tokens the rest of the peak is no longer dominated by what does not grow (a chunk
-    of the loss's logits): a line through the two gives the part that grows and the part that does not.
+    The checkpointed steps are what long sequences run (they fit where keeping everything does not). Their
+    lengths must be long enough for the memory that grows with the length to set the peak: at a few times
+    ``seq`` the peak is still the loss's chunk of logits and the kernels' workspaces, a line through two
+    such peaks grows too slowly, and the lengths the model then predicts run out of memory near the limit
+    (on Llama 3 8B's shape, checkpointed peaks at 4,096 and 8,192 tokens grow about three fifths as fast
+    as those near 250,000; at 16,384 and 32,768 tokens, as fast). A line through the two gives the part
+    that grows and the part that does not.
     """
     ms, saved, _, static, sizes = _measure_step(trainee, seq)
     width = trainee.model.get_base_model().config.hidden_size
     element = next(p for p in trainee.model.parameters() if p.is_floating_point()).element_size()
     inputs = (trainee.batch * seq * width * element,) * trainee.layers
-    lengths, rest = (4 * seq, 8 * seq), []
+    top = max(min(32 * seq, max_seq or 32 * seq), 2 * seq)
+    lengths, rest = (max(top // 2, seq), top), []
     with strategy_mode(trainee, "checkpoint"):
         for n in lengths:  # what a checkpointed step holds beyond the inputs and one layer's recomputation
             rest.append(_measure_step(trainee, n)[2] - max(saved) * n // seq)
