@@ -71,6 +71,7 @@ stored_sources = {
     "long-context": "docs/evidence/h200-long-context/long_context.json",  # every strategy's search
     "long-context-turns": "docs/evidence/h200-long-context/at_checkpoint.json",  # at checkpointing's longest
     "long-context-full": "docs/evidence/h200-long-context-full/checkpoint_no_offload.json",  # the whole GPU
+    "long-context-planner": "docs/evidence/h200-long-context-full/planner_search.json",  # the planner, whole GPU
     # per-layer CUDA graphs with offloading at model A's shapes, one H200 (docs/caveats.md)
     "graphs-te": "docs/evidence/h200-graphs/graphs_te.json",  # Transformer Engine's layers
     "graphs-torch": "docs/evidence/h200-graphs/graphs_torch.json",  # PyTorch's layers

@@ -415,12 +415,59 @@ def _full_planner(d: Data) -> tuple[str, ...]:
     return f"{predicted:,}", f"{longest:,}", f"{failed:,}"
 
 
+def _planner_search(d: Data) -> dict:
+    """The planner's whole-GPU search (its report, written after each probe)."""
+    return d.load(f"{LONG_CONTEXT_FULL}/planner_search.json")["strategies"]["planner"]
+
+
+def _planner_failed_above(d: Data) -> tuple[str, ...]:
+    """The shortest length of the planner's whole-GPU search that ran out of memory above its longest."""
+    r = _planner_search(d)
+    return (f"{min(p['seq'] for p in r['probes'] if not p['ok'] and p['seq'] > r['longest']):,}",)
+
+
+def _planner_over_checkpoint(d: Data) -> tuple[str, ...]:
+    """How many times checkpointing's longest sequence the planner trained, both on the whole GPU."""
+    checkpoint = d.load(f"{LONG_CONTEXT_FULL}/checkpoint_no_offload.json")["strategies"]["checkpoint"]["longest"]
+    return (f"{_planner_search(d)['longest'] / checkpoint:.2f}",)
+
+
+def _planner_input_buffer(d: Data) -> tuple[str, ...]:
+    """One layer's input at the planner's longest length (hidden size x 2 bytes a token), as the pinned
+    allocator reserves it: the next power of two, in GiB."""
+    config = d.load(f"{LONG_CONTEXT_FULL}/planner_search.json")["config"]
+    size = _planner_search(d)["longest"] * config["batch"] * config["hidden"] * 2
+    return (f"{2 ** math.ceil(math.log2(size)) / 2**30:.0f}",)
+
+
+def _planner_model_miss(d: Data) -> tuple[str, ...]:
+    """How far the cost model's predicted peak was from the measured one at the planner's longest (MiB, up)."""
+    best = next(p for p in _planner_search(d)["probes"] if p["ok"] and p["seq"] == _planner_search(d)["longest"])
+    return (f"{math.ceil(abs(best['peak_bytes'] - best['predicted_peak_bytes']) / 2**20)}",)
+
+
+def _planner_kept_miss(d: Data) -> tuple[str, ...]:
+    """The planner's whole-GPU step with kept layers near the limit: its length, measured and predicted peaks."""
+    p = next(p for p in _planner_search(d)["probes"] if p["ok"] and "keep" in p["note"] and p["seq"] > 100_000)
+    return f"{p['seq']:,}", f"{p['peak_bytes'] / 2**30:.2f}", f"{p['predicted_peak_bytes'] / 2**30:.2f}"
+
+
 def _suite_green(d: Data, name: str) -> bool:
     """A stored repeated GPU suite (``gpu_suite_<name>.log``): three passes, none failed, all exit codes 0."""
     text = d.load(f"{GPU_TESTS}/gpu_suite_{name}.log")
     passes = _summaries(text)
     return (len(passes) == 3 and "exit codes of the 3 runs: [0, 0, 0]" in text
             and not any(c.get("failed") or c.get("error") for c, _ in passes))
+
+
+def _one_pass(name: str) -> Callable[[Data], tuple[str, ...]]:
+    """A GPU suite run once (``gpu_suite_<name>_one_pass.log``): passed, skipped and seconds; none failed."""
+    def numbers(d: Data) -> tuple[str, ...]:
+        ((counts, seconds),) = _summaries(d.load(f"{GPU_TESTS}/gpu_suite_{name}_one_pass.log"))
+        return _claim(not counts.get("failed") and not counts.get("error"),
+                      (str(counts.get("passed", 0)), str(counts.get("skipped", 0)), f"{seconds:.0f}"),
+                      f"a test failed in gpu_suite_{name}_one_pass.log")
+    return numbers
 
 
 def _soak_gpu_drift(d: Data) -> tuple[str, ...]:
@@ -514,8 +561,18 @@ QUOTED = [
            "h200-long-context-full/checkpoint_no_offload.json: checkpointing's shortest failed length"),
     Quoted("docs/long_context.md", "strategies[no offload].longest` | {} |", _full_first_failure("no offload"),
            "h200-long-context-full/checkpoint_no_offload.json: no offload's shortest failed length"),
-    Quoted("docs/long_context.md", "| planner | {} | {} (the search stopped unfinished) | {} |", _full_planner,
-           "h200-long-context-full/planner.log: first prediction, longest that ran, shortest failure above"),
+    Quoted("docs/long_context.md", "(the search stopped unfinished) | {} |", _planner_failed_above,
+           "h200-long-context-full/planner_search.json: the planner's shortest failed length"),
+    Quoted("docs/long_context.md", "tokens, {} times checkpointing's", _planner_over_checkpoint,
+           "h200-long-context-full: the planner's longest over checkpointing's, whole GPU"),
+    Quoted("docs/long_context.md", "rounds up to {} GiB", _planner_input_buffer,
+           "h200-long-context-full/planner_search.json: one layer's input at the longest, rounded as pinned"),
+    Quoted("docs/long_context.md", "within {} MiB of the cost model's prediction", _planner_model_miss,
+           "h200-long-context-full/planner_search.json: measured against predicted peak at the longest"),
+    Quoted("docs/long_context.md", "at {} tokens a plan that keeps two layers peaked at {} GiB, predicted {} GiB",
+           _planner_kept_miss, "h200-long-context-full/planner_search.json: the step with kept layers"),
+    Quoted("docs/long_context.md", "it predicted {} tokens, and every length", lambda d: _full_planner(d)[:1],
+           "h200-long-context-full/planner.log: the first search's first prediction"),
     # docs/benchmarks.md
     Quoted("docs/benchmarks.md", "where it exceeds that by {} %", _bench_copy_threshold,
            "the threshold bench.md states: copy bound > 1.01 x baseline"),
@@ -628,6 +685,10 @@ QUOTED = [
            "and {} skipped (the Transformer Engine tests and the two-GPU pipeline test), in {}, {} and {} s; the longest test "
            "took {} s", _suite_passes("no_te"), "gpu_suite_no_te.log: pytest's summary line of each pass; "
            "gpu_suite_no_te_by_test.txt: the longest test's seconds"),
+    Quoted("docs/reliability.md", "`docs/evidence/h200-gpu-tests/gpu_suite_te_one_pass.log`): {} passed and {} skipped "
+           "in {} s", _one_pass("te"), "gpu_suite_te_one_pass.log: pytest's summary"),
+    Quoted("docs/reliability.md", "`docs/evidence/h200-gpu-tests/gpu_suite_no_te_one_pass.log`): {} passed and {} "
+           "skipped in {} s", _one_pass("no_te"), "gpu_suite_no_te_one_pass.log: pytest's summary"),
     Quoted("docs/reliability.md", "the GPU tests of the pipeline and FSDP files: {} passed",
            _suite(f"{EVIDENCE}/2xh200-nccl/tests_2gpu.log", "passed"), "tests_2gpu.log: pytest's summary line"),
     # docs/planner.md
