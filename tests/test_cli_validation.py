@@ -118,6 +118,8 @@ def _bad_choice(name: str) -> st.SearchStrategy[str]:
 _names = st.text(alphabet=string.ascii_letters + string.digits + "-_", min_size=1, max_size=8)
 BAD_JSON = st.one_of(st.sampled_from(["", ".", "afile/r.json", "a\0b.json", "missing/r.json"]),
                      _names.map(lambda n: f"no-{n}/report.json"), _names.map(lambda n: f"no-{n}/deeper/r.json"))
+BAD_READ = st.one_of(st.sampled_from(["", ".", "afile", "missing.json", "a\0b.json", "afile/r.json"]),
+                     _names.map(lambda n: f"no-{n}.json"))  # "afile" exists, empty: not JSON
 BAD_OUT = st.one_of(st.sampled_from(["", "afile", "afile/sub", "a\0b"]), _names.map(lambda n: f"afile/{n}"))
 
 
@@ -140,6 +142,8 @@ def _bad_option(command: str, option: str) -> st.SearchStrategy[list[str]]:
         return value(_bad_device(command))
     if name in ("json", "plot", "progress_json"):
         return value(BAD_JSON)
+    if name == "resume":  # a report to read
+        return value(BAD_READ)
     if name in ("memory_limit", "host_budget"):  # a positive number of bytes, with or without a unit
         return value(st.one_of(st.sampled_from(["0", "-1", "0.5", "GiB", "", "12XB", "nan", "inf", "1 GB B"]),
                                st.text(max_size=8).filter(lambda s: not _is_bytes(s))))

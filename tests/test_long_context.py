@@ -91,6 +91,26 @@ def test_the_search_stops_at_max_seq_and_at_a_first_refusal():
     assert nothing.longest == 0 and [p.ok for p in nothing.probes] == [False] and nothing.best is None
 
 
+@pytest.mark.parametrize("cut", [1, 2, 3, 4, 5])
+def test_a_search_cut_short_and_resumed_ends_where_a_whole_one_does_running_no_length_twice(cut):
+    peak, limit = (lambda s: 1000 + 10 * s + 0.001 * s * s), 60_000
+    whole = longest_sequence(_run_under(peak, limit), resolution=16, max_seq=8192, limit_bytes=limit)
+    ran: list[int] = []
+
+    def run(seq: int) -> Probe:
+        ran.append(seq)
+        return _run_under(peak, limit)(seq)
+
+    resumed = longest_sequence(run, resolution=16, max_seq=8192, limit_bytes=limit, known=whole.probes[:cut])
+    _assert_boundary(resumed, lambda s: peak(s) <= limit)
+    assert resumed.longest == whole.longest and resumed.probes[:cut] == whole.probes[:cut]
+    assert not set(ran) & {p.seq for p in whole.probes[:cut]} and len(set(ran)) == len(ran)
+    with pytest.raises(ValueError, match=r"known probes at \[24\] tokens: each must be a multiple"):
+        longest_sequence(run, resolution=16, max_seq=8192, limit_bytes=limit, known=[Probe(24, True, 1)])
+    with pytest.raises(ValueError, match=r"known probes at \[8208\] tokens"):
+        longest_sequence(run, resolution=16, max_seq=8192, limit_bytes=limit, known=[Probe(8208, False)])
+
+
 def test_the_first_probe_is_a_sixty_fourth_of_the_longest_length_a_multiple_of_the_resolution():
     assert search.first_probe(4096, 131072) == 4096  # the default search starts at one resolution
     assert search.first_probe(2048, 131072) == 2048
@@ -378,6 +398,63 @@ def test_a_run_stopped_mid_search_leaves_a_report_with_the_probes_so_far(hf, tmp
     assert entry["done"] is False and len(entry["probes"]) == 2 and entry["longest"] == entry["probes"][-1]["seq"]
 
 
+def test_a_run_resumed_from_its_report_goes_on_where_it_stopped_and_keeps_what_was_finished(hf, tmp_path,
+                                                                                               monkeypatch):
+    """``--resume``: a finished search is kept as it is; one stopped mid-way (its report written after each
+    probe) goes on from its probes, runs none of them again, and ends where an uninterrupted run ends."""
+    from offload_examples.instruments.long_context import strategies as lc
+    from offload_examples.scenarios.long_context import LongContextConfig, run
+
+    sizes = dict(**TINY, memory_limit=2 * 2**20, strategies=["no offload", "checkpoint"], speeds=False)
+    whole = run(LongContextConfig.small(**sizes), CPU, progress=None)["strategies"]
+    real, calls, stop_at = lc.run_at, [], [len(whole["no offload"]["probes"]) + 3]  # checkpointing's third probe
+
+    def run_at(trainee, setting, seq, **kwargs):
+        calls.append((setting.strategy, seq))
+        if len(calls) == stop_at[0]:  # Ctrl-C
+            raise KeyboardInterrupt
+        return real(trainee, setting, seq, **kwargs)
+
+    monkeypatch.setattr(lc, "run_at", run_at)
+    progress = tmp_path / "progress.json"
+    with pytest.raises(KeyboardInterrupt):
+        run(LongContextConfig.small(**sizes, progress_json=str(progress)), CPU, progress=None)
+    calls.clear()
+    stop_at[0] = 0
+    lines: list[str] = []
+    again = run(LongContextConfig.small(**sizes, resume=str(progress)), CPU, progress=lines.append)["strategies"]
+    assert {name: r["longest"] for name, r in again.items()} == {name: r["longest"] for name, r in whole.items()}
+    assert again["no offload"] == json.loads(progress.read_text())["strategies"]["no offload"]  # kept, not rerun
+    assert any("[no offload] its search in the report is finished" in line for line in lines)
+    first_two = [p["seq"] for p in again["checkpoint"]["probes"][:2]]
+    assert first_two == [p["seq"] for p in whole["checkpoint"]["probes"][:2]] and again["checkpoint"]["done"]
+    assert {s for _, s in calls}.isdisjoint(first_two) and {n for n, _ in calls} == {"checkpoint"}
+
+
+def test_a_report_of_another_search_is_refused_before_anything_runs(hf, tmp_path):
+    from offload_examples.scenarios.long_context import LongContextConfig, run
+
+    sizes = dict(**TINY, memory_limit=2 * 2**20, strategies=["checkpoint"], speeds=False)
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps(run(LongContextConfig.small(**sizes), CPU, progress=None)))
+    with pytest.raises(ValueError, match="search ran with hidden 32, this one with 64: only the same search"):
+        LongContextConfig.small(**{**sizes, "hidden": 64}, resume=str(report))
+    with pytest.raises(ValueError, match=r"ran \d+ tokens, beyond max_seq \(32\)"):
+        LongContextConfig.small(**{**sizes, "max_seq": 32}, resume=str(report))
+    for text, why in [("[1, 2]", "is not a long-context report"), ("{", "cannot read the report to resume"),
+                      ('{"scenario": "long-context", "config": {}, "strategies": {}}', "search ran with layers")]:
+        (tmp_path / "bad.json").write_text(text)
+        with pytest.raises(ValueError, match=why):
+            LongContextConfig.small(**sizes, resume=str(tmp_path / "bad.json"))
+    broken = json.loads(report.read_text())
+    broken["strategies"]["checkpoint"]["probes"] = [{"ok": True}]
+    (tmp_path / "bad.json").write_text(json.dumps(broken))
+    with pytest.raises(ValueError, match="probes of 'checkpoint' are not what a search writes"):
+        LongContextConfig.small(**sizes, resume=str(tmp_path / "bad.json"))
+    with pytest.raises(ValueError, match="cannot read the report to resume"):
+        LongContextConfig.small(**sizes, resume=str(tmp_path / "missing.json"))
+
+
 def test_bad_input_is_a_clear_error(hf):
     from offload_examples.scenarios.long_context import LongContextConfig
 
@@ -424,8 +501,8 @@ def test_a_plan_that_runs_out_of_memory_is_retried_predicted_lower_and_none_runs
 
     from offload_examples.features.planner import LinkCost
     from offload_examples.instruments.long_context import strategies as lc
+    from offload_examples.instruments.long_context import probes
     from offload_examples.instruments.long_context.memory import OutOfMemoryError
-    from offload_examples.scenarios import long_context as scenario
 
     mib = 2**20
     costs = lc.CostModel(32, (8 * mib,) * 6, (2 * mib,) * 6, 0.2, 0, 0, LinkCost(1.0, 1.0, 1.0))
@@ -439,9 +516,8 @@ def test_a_plan_that_runs_out_of_memory_is_retried_predicted_lower_and_none_runs
 
     monkeypatch.setattr(lc, "strategy_mode", lambda trainee, name: contextlib.nullcontext())
     monkeypatch.setattr(lc, "run_at", run_at)
-    config = scenario.LongContextConfig.small(layers=6, resolution=32, max_seq=32)
-    found = scenario._search(SimpleNamespace(layers=6), config, "planner", costs, 32 * mib, 2**40, lambda _: None,
-                             only=32)
+    found = probes.search_strategy(SimpleNamespace(layers=6), "planner", costs, 32 * mib, 2**40, lambda _: None,
+                                   resolution=32, max_seq=32, only=32)
     peaks = [s.predicted_peak_bytes for s in ran]
     assert found.longest == 32 and peaks[0] > 20 * mib >= peaks[-1], peaks
     assert all(later < earlier for earlier, later in zip(peaks, peaks[1:])), peaks

@@ -214,6 +214,20 @@ def json_path_arg(text: str) -> Path:
     return path
 
 
+def json_file_arg(text: str) -> Path:
+    """An argparse ``type``: a JSON file to read, which must exist and hold a JSON object (a report)."""
+    path = _check_path_text(text)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r}: {e.strerror or e}") from None
+    except ValueError as e:  # not UTF-8, or not JSON
+        raise argparse.ArgumentTypeError(f"{text} does not hold JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise argparse.ArgumentTypeError(f"{text} holds JSON, but not an object (a report)")
+    return path
+
+
 def output_folder_arg(text: str) -> Path:
     """An argparse ``type``: a folder for output files; it is created when the results are written,
     so its nearest existing ancestor must be a writable folder."""

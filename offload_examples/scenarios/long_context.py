@@ -26,6 +26,7 @@ The loop to copy is :func:`train`, at the top of the module.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -34,13 +35,12 @@ from torch import nn
 
 from offload_examples.features.apply import offload_layers
 from offload_examples.features.planner import host_budget
-from offload_examples.instruments.cli import Need, bytes_arg, dtype_bytes, json_path_arg
+from offload_examples.instruments.cli import Need, bytes_arg, dtype_bytes, json_file_arg, json_path_arg
 from offload_examples.instruments.long_context import model as lc_model
 from offload_examples.instruments.long_context import probes
 from offload_examples.instruments.long_context import strategies as lc
 from offload_examples.instruments.long_context.memory import (device_memory_limit, expandable_segments,
                                                            single_thread_on_cpu)
-from offload_examples.instruments.long_context.search import SearchResult
 from offload_examples.instruments.models import enable_activation_checkpointing
 from offload_examples.instruments.plan_costs import measure_link
 from offload_examples.instruments.report import (cpu_timing_note, format_bytes, format_table, report_header,
@@ -88,6 +88,7 @@ class LongContextConfig(Timing, ScenarioConfig):
     plot: str | None = None  # where to write the plot (PNG), if anywhere
     progress_json: str | None = None  # where to write the report so far after each probe, if anywhere
     speeds: bool = True  # also time the strategies where they meet (the longest length all ran, checkpointing's)
+    resume: str | None = None  # a report of the same search (--json, --progress-json) whose searches to go on from
 
     SMALL = dict(layers=8, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, dtype="float32", lora_rank=4,
                  loss_chunk=64, resolution=32, max_seq=2048, memory_limit=4 * 2**20, warmup=0, steps=1)
@@ -106,6 +107,9 @@ class LongContextConfig(Timing, ScenarioConfig):
             raise ValueError(f"strategies must name one or more strategies, each once, got {self.strategies}")
         self.plot = None if self.plot is None else str(self.plot)
         self.progress_json = None if self.progress_json is None else str(self.progress_json)
+        self.resume = None if self.resume is None else str(self.resume)
+        if self.resume is not None:  # a report of another search is refused before anything runs
+            probes.resumable(self.resume, {"config": dataclasses.asdict(self)})
         for name in ("memory_limit", "host_budget"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive number of bytes, got {getattr(self, name)}")
@@ -136,15 +140,6 @@ def _build(config: LongContextConfig, device: torch.device) -> lc.Trainee:
     return lc.Trainee(model, optimizer, device, config.batch, config.vocab, config.loss_chunk, config.seed)
 
 
-def _search(trainee: lc.Trainee, config: LongContextConfig, name: str, costs: lc.CostModel | None, limit: int | None,
-            host: int, say: Callable[[str], None], on_probe: Callable[[SearchResult], None] | None = None,
-            only: int | None = None) -> SearchResult:
-    """:func:`~offload_examples.instruments.long_context.probes.search_strategy` at the config's sizes."""
-    return probes.search_strategy(trainee, name, costs, limit, host, say, resolution=config.resolution,
-                                  max_seq=config.max_seq, warmup=config.warmup, steps=config.steps, only=only,
-                                  on_probe=on_probe)
-
-
 def run(config: LongContextConfig | None = None, device: torch.device | str | None = None,
         progress: Callable[[str], None] | None = print) -> dict[str, Any]:
     """Run the scenario and return its report (see :func:`format_report`)."""
@@ -156,8 +151,10 @@ def run(config: LongContextConfig | None = None, device: torch.device | str | No
 def _run(config: LongContextConfig, device: torch.device, say: Callable[[str], None]) -> dict[str, Any]:
     say(f"long-context scenario on {device}: {config.layers} layers of width {config.hidden}, LoRA rank "
         f"{config.lora_rank}, lengths up to {config.max_seq} in steps of {config.resolution}")
+    header = report_header("long-context", device, config)
+    resumed, stored_host = probes.resumable(config.resume, header) if config.resume else ({}, None)
     trainee = _build(config, device)
-    host = config.host_budget if config.host_budget is not None else host_budget()
+    host = config.host_budget if config.host_budget is not None else stored_host or host_budget()
     costs = None  # what the engine's k and the planner's plans are chosen from
     if {"engine", "planner"} & set(config.strategies):
         link = measure_link(device, 2**20 * (256 if device.type == "cuda" else 4))
@@ -165,18 +162,14 @@ def _run(config: LongContextConfig, device: torch.device, say: Callable[[str], N
     grads, offloaded = probes.check_grads(trainee, config.strategies, config.resolution, costs, host)
     say("gradients bitwise equal to no offloading's: " + ", ".join(f"{n} {g['equal']}" for n, g in grads.items()))
     results: dict[str, Any] = {}
-    report = {**report_header("long-context", device, config), "memory_limit_bytes": None, "host_budget_bytes": host,
+    report = {**header, "memory_limit_bytes": None, "host_budget_bytes": host,
               "strategies": results, "common_seq": 0, "grads": grads, "at_common": {}, "checkpoint_seq": 0,
               "at_checkpoint": {}, "grads_equal": all(g["equal"] for g in grads.values()), "offloaded_bytes": offloaded}
     with device_memory_limit(device, config.memory_limit) as limit, expandable_segments(device):
         report["memory_limit_bytes"] = limit
-        for name in config.strategies:
-            def so_far(found: SearchResult, name: str = name) -> None:  # a search cut short keeps what it found
-                results[name] = probes.search_entry(found, done=False)
-                _save_progress(config, report)
-
-            results[name] = probes.search_entry(_search(trainee, config, name, costs, limit, host, say, so_far))
-            _save_progress(config, report)
+        probes.search_all(trainee, config.strategies, costs, limit, host, say, results,
+                          lambda: _save_progress(config, report), resumed, resolution=config.resolution,
+                          max_seq=config.max_seq, warmup=config.warmup, steps=config.steps)
         if config.speeds:
             probes.where_they_meet(trainee, costs, limit, host, report, say, lambda: _save_progress(config, report),
                                    warmup=config.warmup, steps=config.steps)
@@ -243,6 +236,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         parser.add_argument("--progress-json", type=json_path_arg, metavar="PATH",
                             help="write the report so far into PATH after each step of the search, so that a "
                                  "search cut short keeps what it found (default: nowhere)")
+        parser.add_argument("--resume", type=json_file_arg, metavar="PATH",
+                            help="go on from the searches of a report of the same search (--json or --progress-json "
+                                 "wrote it): finished ones are kept, others resume from their steps (default: none)")
         parser.add_argument("--no-speeds", dest="speeds", action="store_const", const=False,
                             help="only search each strategy's longest sequence "
                                  "(default: also time them where they meet)")

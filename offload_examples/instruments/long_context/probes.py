@@ -9,8 +9,10 @@ corrected by what steps measure), and the strategies' speeds at one length, thei
 from __future__ import annotations
 
 import dataclasses
+import json
 import statistics
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from offload_examples.instruments.long_context import strategies as lc
@@ -20,8 +22,8 @@ from offload_examples.instruments.measure import (balanced_orders, balanced_roun
                                                   overhead_spread)
 from offload_examples.instruments.report import format_bytes, format_table
 
-__all__ = ["REFERENCE", "SHORT", "as_dict", "at_checkpoints_longest", "check_grads", "format_turns",
-           "search_entry", "search_strategy", "speeds_in_turns", "take_turns"]
+__all__ = ["REFERENCE", "SAME_SEARCH", "SHORT", "as_dict", "at_checkpoints_longest", "check_grads", "format_turns",
+           "resumable", "search_all", "search_entry", "search_strategy", "speeds_in_turns", "take_turns"]
 
 #: The strategy the others' steps are compared with at one length, where it ran there: checkpointing,
 #: which every long-context recipe starts from.
@@ -50,9 +52,10 @@ def check_grads(trainee: lc.Trainee, strategies: Sequence[str], resolution: int,
 
 def search_strategy(trainee: lc.Trainee, name: str, costs: lc.CostModel | None, limit: int | None, host: int,
                     say: Callable[[str], None], *, resolution: int, max_seq: int, warmup: int = 1, steps: int = 1,
-                    only: int | None = None, on_probe: Callable[[SearchResult], None] | None = None) -> SearchResult:
+                    only: int | None = None, on_probe: Callable[[SearchResult], None] | None = None,
+                    known: Sequence[Probe] = ()) -> SearchResult:
     """The longest sequence of strategy ``name`` (with ``only``: one probe at ``only`` tokens); ``on_probe``
-    gets the search so far after each probe
+    gets the search so far after each probe; ``known``: the probes of a search cut short, to go on from
     (:func:`~offload_examples.instruments.long_context.search.longest_sequence`).
 
     The engine's ``k`` and the planner's plans come from the cost model, whose peaks may fall short of
@@ -66,7 +69,9 @@ def search_strategy(trainee: lc.Trainee, name: str, costs: lc.CostModel | None, 
     the lowest predicted peak, and last with the one that holds least
     (:func:`~offload_examples.instruments.long_context.strategies.least_memory`).
     """
-    shortfall = 0
+    # what the model fell short by in the probes already run (a resumed search) holds for the ones to come
+    shortfall = max([p.peak_bytes - p.predicted_peak_bytes for p in known
+                     if p.ok and p.peak_bytes and p.predicted_peak_bytes] + [0])
     ran_with: dict[int, lc.Setting] = {}  # per length, the setting that ran there last
 
     def budget() -> int | None:
@@ -120,7 +125,7 @@ def search_strategy(trainee: lc.Trainee, name: str, costs: lc.CostModel | None, 
     with lc.strategy_mode(trainee, name):
         found = longest_sequence(probe, resolution=only or resolution, max_seq=only or max_seq,
                                  limit_bytes=limit, predict=predict, progress=say, label=name,
-                                 first=only or first_probe(resolution, max_seq), on_probe=on_probe)
+                                 first=only or first_probe(resolution, max_seq), on_probe=on_probe, known=known)
     found.setting = ran_with.get(found.longest)
     return found
 
@@ -133,6 +138,75 @@ def search_entry(found: SearchResult, done: bool = True) -> dict[str, Any]:
             "peak_bytes": best and best.peak_bytes, "host_bytes": best and best.host_bytes,
             "tokens_per_s": best and best.tokens_per_s, "setting": best.note if best else "",
             "probes": [dataclasses.asdict(p) for p in found.probes]}
+
+
+#: What a resumed search must share with the report it goes on from: what its steps' memory depends on.
+SAME_SEARCH = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "dtype", "batch", "lora_rank", "loss_chunk",
+               "resolution", "memory_limit", "host_budget", "seed")
+
+
+def resumable(path: str, header: Mapping[str, Any]) -> tuple[dict[str, Any], int | None]:
+    """``(the strategies' entries, its pinned host budget)`` of the long-context report at ``path`` (written
+    with ``--json`` or ``--progress-json``), for a run whose report starts with ``header``
+    (:func:`~offload_examples.instruments.report.report_header`; ``config`` at least); each entry's probes
+    as :class:`Probe` under ``known``, for :func:`search_all`.
+
+    The report must come from the same search: the sizes of :data:`SAME_SEARCH`, the device where
+    ``header`` names it, no probe beyond the run's ``max_seq``. Raises ``ValueError`` naming the first
+    difference, or why the report cannot be read.
+    """
+    try:
+        report = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read the report to resume, {path}: {e}") from None
+    if not isinstance(report, dict) or report.get("scenario") != "long-context" \
+            or not isinstance(report.get("strategies"), dict) or not isinstance(report.get("config"), dict):
+        raise ValueError(f"{path} is not a long-context report (one written by --json or --progress-json)")
+    config = header["config"]
+    for key in SAME_SEARCH:
+        if report["config"].get(key) != config.get(key):
+            raise ValueError(f"the report's search ran with {key} {report['config'].get(key)!r}, this one with "
+                             f"{config.get(key)!r}: only the same search can be resumed")
+    for key in ("device_type", "device"):
+        if key in header and report.get(key) != header[key]:
+            raise ValueError(f"the report's search ran on {report.get(key)!r}, this one on {header[key]!r}")
+    entries, names = {}, {f.name for f in dataclasses.fields(Probe)}
+    for name, entry in report["strategies"].items():
+        try:
+            known = [Probe(**{k: v for k, v in p.items() if k in names}) for p in entry["probes"]]
+        except (KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"the report's probes of {name!r} are not what a search writes ({err})") from None
+        if beyond := [p.seq for p in known if p.seq > config["max_seq"]]:
+            raise ValueError(f"the report's search of {name!r} ran {max(beyond)} tokens, beyond max_seq "
+                             f"({config['max_seq']})")
+        entries[name] = {**entry, "known": known}
+    return entries, report.get("host_budget_bytes")
+
+
+def search_all(trainee: lc.Trainee, names: Sequence[str], costs: lc.CostModel | None, limit: int | None, host: int,
+               say: Callable[[str], None], results: dict[str, Any], save: Callable[[], None],
+               resumed: Mapping[str, Any] | None = None, **sizes: int) -> None:
+    """Each strategy's search (:func:`search_strategy` at ``sizes``: resolution, max_seq, warmup, steps), its
+    entry (:func:`search_entry`) in ``results`` after each probe, ``save`` called then. With ``resumed``
+    (:func:`resumable`), a search the report finished is kept as it is, and one cut short goes on from its
+    probes, keeping its first prediction."""
+    for name in names:
+        old = (resumed or {}).get(name, {})
+        if old.get("done", bool(old)):  # finished (a report written at the end of a run has no done flag)
+            results[name] = {k: v for k, v in old.items() if k != "known"}
+            say(f"  [{name}] its search in the report is finished: {old['longest']} tokens")
+            continue
+
+        def entry(found: SearchResult, done: bool = True, first: int | None = old.get("predicted")) -> dict:
+            return {**search_entry(found, done), **({"predicted": first} if first else {})}
+
+        def so_far(found: SearchResult, name: str = name, entry: Callable = entry) -> None:  # a search cut short
+            results[name] = entry(found, done=False)  # keeps what it found
+            save()
+
+        results[name] = entry(search_strategy(trainee, name, costs, limit, host, say, on_probe=so_far,
+                                              known=old.get("known", ()), **sizes))
+        save()
 
 
 def as_dict(probe: Probe | None) -> dict[str, Any] | None:

@@ -17,7 +17,7 @@ after three or four probes where memory grows as measured.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -117,7 +117,8 @@ def longest_multiple(fits: Callable[[int], bool], resolution: int, max_seq: int)
 def longest_sequence(run: Callable[[int], Probe], *, resolution: int, max_seq: int, limit_bytes: int | None,
                      predict: Callable[[list[tuple[int, int]]], int] | None = None,
                      progress: Callable[[str], None] | None = None, label: str = "",
-                     first: int | None = None, on_probe: Callable[[SearchResult], None] | None = None) -> SearchResult:
+                     first: int | None = None, on_probe: Callable[[SearchResult], None] | None = None,
+                     known: Sequence[Probe] = ()) -> SearchResult:
     """Search the longest length, a multiple of ``resolution`` up to ``max_seq``, at which ``run`` completes.
 
     ``run(seq)`` runs the training step at ``seq`` tokens and returns its :class:`Probe`; running out of
@@ -133,7 +134,8 @@ def longest_sequence(run: Callable[[int], Probe], *, resolution: int, max_seq: i
     one resolution; :func:`first_probe` picks one for long searches), the second
     twice it; where ``first`` does not run, one resolution is tried next. ``on_probe`` gets the result so
     far after each probe (its ``longest`` the longest length that ran yet), so that a caller can keep a
-    search that is cut short.
+    search that is cut short. ``known``: probes a search of the same steps already ran (a search cut short,
+    resumed): they count as if run first, and the search goes on from them without running them again.
     """
     if resolution < 1 or max_seq < 1:
         raise ValueError(f"resolution and max_seq must be positive, got {resolution} and {max_seq}")
@@ -145,14 +147,32 @@ def longest_sequence(run: Callable[[int], Probe], *, resolution: int, max_seq: i
         raise ValueError(f"first ({first!r}) must be a whole multiple of resolution ({resolution}), at least one, "
                          f"and at most max_seq ({max_seq})")
     max_seq -= max_seq % resolution
+    if bad := [p.seq for p in known if p.seq % resolution or not resolution <= p.seq <= max_seq]:
+        raise ValueError(f"known probes at {bad} tokens: each must be a multiple of resolution ({resolution}) up to "
+                         f"max_seq ({max_seq})")
     say = progress or (lambda _: None)
     result = SearchResult(0, resolution)
     lo, hi = 0, max_seq + resolution  # the longest that ran, the shortest that did not (or past max_seq)
     streak = 0  # successes in a row (> 0) or failures in a row (< 0)
     missed = False  # the last probe was a predicted length that did not run
 
-    def probe(seq: int, why: str) -> None:
+    def record(p: Probe, why: str) -> None:
         nonlocal lo, hi, streak, missed
+        result.probes.append(p)
+        missed = not p.ok and why in ("predicted", "below")
+        if p.ok:
+            lo, streak = max(lo, p.seq), max(streak, 0) + 1
+        else:
+            hi, streak = min(hi, p.seq), min(streak, 0) - 1
+        result.longest = lo
+
+    for p in known:
+        record(p, "known")
+    if known:
+        say(f"  [{label}] resumed from {len(known)} probes: {lo} tokens ran, "
+            + (f"{hi} did not" if hi <= max_seq else "none failed"))
+
+    def probe(seq: int, why: str) -> None:
         # before every probe of a search over lengths (each at a length of its own): PyTorch's pinned allocator
         # caches the blocks a step gave back, by power-of-two size, and a block reserved for one length's tensors
         # rarely fits the next length's, so without this the cached blocks of each length tried stack up in host
@@ -165,21 +185,16 @@ def longest_sequence(run: Callable[[int], Probe], *, resolution: int, max_seq: i
         except OutOfMemoryError as e:
             p = Probe(seq, False, note=f"out of memory: {str(e).splitlines()[0][:120]}")
             free_memory(pinned=True)  # what the failed step held, its pinned copies included
-        result.probes.append(p)
-        missed = not p.ok and why in ("predicted", "below")
-        if p.ok:
-            lo, streak = max(lo, seq), max(streak, 0) + 1
-        else:
-            hi, streak = min(hi, seq), min(streak, 0) - 1
+        record(p, why)
         say(f"  [{label}] {why:>10} {seq:>8} tokens: " + (_ok_text(p) if p.ok else p.note))
-        result.longest = lo
         if on_probe is not None:
             on_probe(result)
 
-    probe(first, "first")
-    if not lo and first > resolution:  # too long to start with: the shortest length then
+    if not lo and first < hi:
+        probe(first, "first")
+    if not lo and resolution < min(first, hi):  # too long to start with: the shortest length then
         probe(resolution, "shortest")
-    if lo and 2 * lo < hi and 2 * lo <= max_seq:
+    if lo and len({p.seq for p in result.probes if p.ok}) < 2 and 2 * lo < hi and 2 * lo <= max_seq:
         probe(2 * lo, "slope")
     up = resolution  # the step above the longest that ran, when the fit predicts nothing longer
     while lo and hi - lo > resolution:
