@@ -347,7 +347,11 @@ def test_the_run_finds_each_boundary_under_a_cpu_limit_and_writes_report_and_plo
         assert refused and max(ran) < min(refused)  # monotone, and a refusal was caught
         assert r["longest"] + 32 in refused  # within the resolution
         assert r["peak_bytes"] <= 2 * 2**20 and r["tokens_per_s"] > 0
-    assert report["strategies"]["checkpoint + offload"]["host_bytes"] > 0
+    offloaded = report["strategies"]["checkpoint + offload"]
+    assert offloaded["host_bytes"] > 0
+    # its longest predicted by the cost model (where the host budget fills, its peak bends; no fit sees that)
+    assert all(p["predicted_peak_bytes"] for p in offloaded["probes"] if p["ok"])
+    assert abs(offloaded["predicted"] - offloaded["longest"]) <= 2 * 32
     assert report["common_seq"] == longest["no offload"] and set(report["at_common"]) == set(longest)
     # at the common length the three strategies took turns, one cycle of balanced orders, against checkpointing
     turns = report["at_common"]

@@ -156,7 +156,7 @@ def _run(config: LongContextConfig, device: torch.device, say: Callable[[str], N
     trainee = _build(config, device)
     host = config.host_budget if config.host_budget is not None else stored_host or host_budget()
     costs = None  # what the engine's k and the planner's plans are chosen from
-    if {"engine", "planner"} & set(config.strategies):
+    if {"engine", "planner", "checkpoint + offload"} & set(config.strategies):
         link = measure_link(device, 2**20 * (256 if device.type == "cuda" else 4))
         costs = lc.measure_cost_model(trainee, min(config.resolution, probes.SHORT), link, config.max_seq)
     grads, offloaded = probes.check_grads(trainee, config.strategies, config.resolution, costs, host)

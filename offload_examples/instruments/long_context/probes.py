@@ -58,7 +58,8 @@ def search_strategy(trainee: lc.Trainee, name: str, costs: lc.CostModel | None, 
     gets the search so far after each probe; ``known``: the probes of a search cut short, to go on from
     (:func:`~offload_examples.instruments.long_context.search.longest_sequence`).
 
-    The engine's ``k`` and the planner's plans come from the cost model, whose peaks may fall short of
+    The engine's ``k`` and the planner's plans come from the cost model, which also predicts the longest
+    length of checkpointing with offloaded inputs (the planner's plan that holds least), whose peaks may fall short of
     what a step measures (the allocator's rounding and fragmentation, temporaries it does not see).
     Each step that peaks above its prediction, or runs out of memory although predicted to fit, raises
     ``shortfall``, the most bytes the model fell short by, and later settings are chosen under the limit
@@ -102,10 +103,10 @@ def search_strategy(trainee: lc.Trainee, name: str, costs: lc.CostModel | None, 
                 ran = lc.run_at(trainee, setting, seq, limit_bytes=limit, host_budget_bytes=host,
                                 warmup=warmup, steps=steps)
             except OutOfMemoryError:
-                if name not in ("engine", "planner"):  # one setting at every length: nothing else to try
-                    raise
                 if predicted and limit and setting.fits:  # it needed more than the limit: plan strictly below it now
                     shortfall = max(shortfall, limit - predicted + 1)
+                if name not in ("engine", "planner"):  # one setting at every length: nothing else to try
+                    raise
                 free_memory(pinned=True)
                 continue  # what the model now chooses, or a fallback
             if predicted and ran.peak_bytes:
@@ -114,7 +115,9 @@ def search_strategy(trainee: lc.Trainee, name: str, costs: lc.CostModel | None, 
             return ran
 
     predict = None
-    if name in ("engine", "planner") and only is None:  # the cost model, not a fit: their setting changes with length
+    # the cost model, not a fit: their setting changes with the length (checkpointing with offloaded inputs: where
+    # the host budget is full, the inputs that do not fit stay on the device, and its peak bends there)
+    if name in ("engine", "planner", "checkpoint + offload") and costs is not None and only is None:
         longest_for: dict[int | None, int] = {}  # per budget: a bisection of plans, redone only when shortfall moves
 
         def predict(_: list[tuple[int, int]]) -> int:

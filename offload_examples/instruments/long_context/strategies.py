@@ -12,7 +12,8 @@
 - ``planner``: :func:`~offload_examples.features.planner.plan` given the memory limit and the pinned
   host budget chooses keep, offload or recompute for each layer, at each length.
 
-The last two need each layer's costs at every length the search tries. :class:`CostModel` gives them
+The last two need each layer's costs at every length the search tries (and the search of the third
+predicts from them where its inputs fill the host budget). :class:`CostModel` gives them
 from one step of the model at one length, through an engine that offloads nothing and counts what each
 layer saves, with the step's time split evenly over the layers; bytes and times are scaled in
 proportion to the length (memory-efficient attention saves bytes in proportion to it; times grow
@@ -223,8 +224,10 @@ def choose(strategy: str, seq: int, layers: int, costs: CostModel | None, limit_
         return Setting(strategy, none, 0)
     if strategy == "checkpoint":
         return Setting(strategy, every, 0)
-    if strategy == "checkpoint + offload":
-        return Setting(strategy, every, layers - 1, note=f"checkpoint inputs of layers 0-{layers - 2} offloaded")
+    if strategy == "checkpoint + offload":  # the planner's plan that holds least: inputs to the host while it has room
+        peak = costs and least_memory("planner", layers, costs, seq, host_budget_bytes).predicted_peak_bytes
+        return Setting(strategy, every, layers - 1, note=f"checkpoint inputs of layers 0-{layers - 2} offloaded",
+                       fits=not peak or limit_bytes is None or peak <= limit_bytes, predicted_peak_bytes=peak)
     if strategy not in ("engine", "planner"):
         raise ValueError(f"unknown strategy {strategy!r}; choose from: {', '.join(STRATEGIES)}")
     if costs is None:
@@ -292,7 +295,8 @@ def _best_k(costs: list[LayerCost], link: LinkCost, base: int, budget: int, host
 def predicted_longest(strategy: str, costs: CostModel, layers: int, limit_bytes: int | None, host_budget_bytes: int,
                       resolution: int, max_seq: int) -> int:
     """The longest multiple of ``resolution`` (at most ``max_seq``) at which the engine or the planner finds a
-    setting that :class:`CostModel` predicts to fit: what their search tries first."""
+    setting that :class:`CostModel` predicts to fit, or checkpointing with offloaded inputs fits: what their
+    search tries first."""
     return longest_multiple(lambda seq: choose(strategy, seq, layers, costs, limit_bytes, host_budget_bytes).fits,
                             resolution, max_seq)
 
