@@ -364,6 +364,18 @@ def test_the_run_finds_each_boundary_under_a_cpu_limit_and_writes_report_and_plo
     assert report["at_checkpoint"]["checkpoint + offload"]["rounds"] == 2
     assert report["grads_equal"] and report["offloaded_bytes"] > 0
     assert plot.stat().st_size > 0
+    import matplotlib.pyplot as plt
+
+    from offload_examples.instruments.plots import plot_peaks_by_length
+
+    ax = plot_peaks_by_length(report)  # each strategy's peaks, the predicted ones hollow, failures at the limit
+    markers = [(line.get_label(), len(line.get_xdata()), line.get_marker(), line.get_markerfacecolor())
+               for line in ax.get_lines()]
+    predicted = sum(bool(p["predicted_peak_bytes"]) for p in offloaded["probes"] if p["ok"])
+    failed = sum(not p["ok"] for r in report["strategies"].values() for p in r["probes"])
+    assert predicted and sum(n for _, n, m, face in markers if m == "o" and face == "none") == predicted
+    assert sum(n for _, n, m, _ in markers if m == "x") == failed
+    plt.close(ax.figure)
     text = format_report(report)
     assert "bitwise equal" in text and "6 rounds taking turns, one step of each strategy a round" in text
 

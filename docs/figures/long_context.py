@@ -16,12 +16,30 @@ from offload_examples.instruments import plots
 RESULTS = json.loads((Path("..") / "evidence" / "h200-long-context" / "long_context.json").read_text())
 
 
-def speeds() -> None:
-    """Tokens per second against the sequence length, each strategy's line ending at its longest."""
+#: The searches on the whole GPU: checkpointing's and no offloading's, and the planner's.
+WHOLE_GPU = [json.loads((Path("..") / "evidence" / "h200-long-context-full" / name).read_text())
+             for name in ("checkpoint_no_offload.json", "planner_search.json")]
+
+
+def whole_gpu() -> None:
+    """Peak GPU memory against the length on the whole GPU: each step that ran, its prediction, the failures."""
+    report = {"memory_limit_bytes": WHOLE_GPU[-1]["memory_limit_bytes"],
+              "strategies": {name: r for each in WHOLE_GPU for name, r in each["strategies"].items()}}
     _, ax = plt.subplots(figsize=(plots.COLUMN_INCHES, 3.6))
-    plots.plot_longest_sequence(RESULTS, ax=ax)
+    plots.plot_peaks_by_length(report, ax=ax)
+    _small_text(ax)
+
+
+def _small_text(ax) -> None:
     ax.set_title("")
     for text in [ax.xaxis.label, ax.yaxis.label, *ax.get_xticklabels(), *ax.get_yticklabels(),
                  *ax.get_legend().get_texts()]:
         text.set_fontsize(plots.BENCH_FONT)
     ax.figure.tight_layout()
+
+
+def speeds() -> None:
+    """Tokens per second against the sequence length, each strategy's line ending at its longest."""
+    _, ax = plt.subplots(figsize=(plots.COLUMN_INCHES, 3.6))
+    plots.plot_longest_sequence(RESULTS, ax=ax)
+    _small_text(ax)

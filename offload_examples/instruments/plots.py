@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "plot_bench_memory_time", "plot_bench_overhead", "plot_bench_saving", "plot_fraction_tradeoff",
-    "plot_longest_sequence", "plot_memory_by_phase", "plot_memory_curves", "plot_overlap", "plot_schedule",
+    "plot_longest_sequence", "plot_memory_by_phase", "plot_peaks_by_length", "plot_memory_curves", "plot_overlap", "plot_schedule",
     "plot_stream_timeline", "plot_sweep", "plot_timeline", "plot_variants",
 ]
 
@@ -240,6 +240,38 @@ def plot_longest_sequence(report: Mapping[str, Any], ax: Axes | None = None) -> 
     ax.set_xlabel("sequence length (tokens)")
     ax.set_ylabel("tokens per second")
     ax.set_title("where each line ends (x), the next length ran out of memory", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return ax
+
+
+def plot_peaks_by_length(report: Mapping[str, Any], ax: Axes | None = None) -> Axes:
+    """Peak GPU memory against sequence length, one line per strategy through the steps that ran, the cost
+    model's prediction of each step beside it (hollow; the engine, the planner and checkpointing with
+    offloaded inputs), a step that ran out of memory as an ``x`` at the memory limit (dashed).
+
+    Takes the report of :mod:`offload_examples.scenarios.long_context` (its ``memory_limit_bytes``: the line).
+    """
+    ax = _axes(ax, (7, 4))
+    limit = report.get("memory_limit_bytes")
+    for name, result in report["strategies"].items():
+        ran = sorted((p["seq"], p["peak_bytes"] / GiB) for p in result["probes"] if p["ok"] and p["peak_bytes"])
+        if not ran:
+            continue
+        line = ax.plot(*zip(*ran), "o-", markersize=4, label=name)[0]
+        predicted = sorted((p["seq"], p["predicted_peak_bytes"] / GiB) for p in result["probes"]
+                           if p["ok"] and p.get("predicted_peak_bytes"))
+        if predicted:
+            ax.plot(*zip(*predicted), "o", markersize=9, markerfacecolor="none", color=line.get_color())
+        failed = [p["seq"] for p in result["probes"] if not p["ok"]]
+        if failed and limit:
+            ax.plot(failed, [limit / GiB] * len(failed), "x", color=line.get_color(), markersize=8, markeredgewidth=2)
+    if limit:
+        ax.axhline(limit / GiB, color="0.4", ls="--", lw=0.8, label="memory limit")
+    ax.plot([], [], "o", markersize=9, markerfacecolor="none", color="0.3", label="predicted by the cost model")
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("peak GPU memory (GiB)")
+    ax.set_title("each step that ran (filled) and its prediction (hollow); x: out of memory", fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     return ax
