@@ -237,9 +237,14 @@ def plot_longest_sequence(report: Mapping[str, Any], ax: Axes | None = None) -> 
         end = max(runs)
         ax.plot(*end, "x", color=line.get_color(), markersize=9, markeredgewidth=2)
     ax.set_xscale("log", base=2)
+    return _by_length(ax, "tokens per second", "where each line ends (x), the next length ran out of memory")
+
+
+def _by_length(ax: Axes, ylabel: str, title: str) -> Axes:
+    """Labels, title, legend and grid of a long-context plot against the sequence length."""
     ax.set_xlabel("sequence length (tokens)")
-    ax.set_ylabel("tokens per second")
-    ax.set_title("where each line ends (x), the next length ran out of memory", fontsize=9)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     return ax
@@ -269,12 +274,8 @@ def plot_peaks_by_length(report: Mapping[str, Any], ax: Axes | None = None) -> A
     if limit:
         ax.axhline(limit / GiB, color="0.4", ls="--", lw=0.8, label="memory limit")
     ax.plot([], [], "o", markersize=9, markerfacecolor="none", color="0.3", label="predicted by the cost model")
-    ax.set_xlabel("sequence length (tokens)")
-    ax.set_ylabel("peak GPU memory (GiB)")
-    ax.set_title("each step that ran (filled) and its prediction (hollow); x: out of memory", fontsize=9)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    return ax
+    return _by_length(ax, "peak GPU memory (GiB)", "each step that ran (filled) and its prediction (hollow); "
+                      "x: out of memory")
 
 
 def plot_fraction_tradeoff(report: Mapping[str, Any], ax: Axes | None = None) -> Axes:
