@@ -447,28 +447,66 @@ def test_a_run_resumed_from_its_report_goes_on_where_it_stopped_and_keeps_what_w
     assert {s for _, s in calls}.isdisjoint(first_two) and {n for n, _ in calls} == {"checkpoint"}
 
 
-def test_a_report_of_another_search_is_refused_before_anything_runs(hf, tmp_path):
-    from offload_examples.scenarios.long_context import LongContextConfig, run
+def test_a_report_of_another_search_is_refused_before_anything_runs(hf, tmp_path, monkeypatch):
+    from offload_examples.instruments.long_context import strategies as lc
+    from offload_examples.scenarios.long_context import LongContextConfig, main, run
 
     sizes = dict(**TINY, memory_limit=2 * 2**20, strategies=["checkpoint"], speeds=False)
     report = tmp_path / "report.json"
     report.write_text(json.dumps(run(LongContextConfig.small(**sizes), CPU, progress=None)))
-    with pytest.raises(ValueError, match="search ran with hidden 32, this one with 64: only the same search"):
-        LongContextConfig.small(**{**sizes, "hidden": 64}, resume=str(report))
-    with pytest.raises(ValueError, match=r"ran \d+ tokens, beyond max_seq \(32\)"):
-        LongContextConfig.small(**{**sizes, "max_seq": 32}, resume=str(report))
-    for text, why in [("[1, 2]", "is not a long-context report"), ("{", "cannot read the report to resume"),
-                      ('{"scenario": "long-context", "config": {}, "strategies": {}}', "search ran with layers")]:
-        (tmp_path / "bad.json").write_text(text)
-        with pytest.raises(ValueError, match=why):
-            LongContextConfig.small(**sizes, resume=str(tmp_path / "bad.json"))
-    broken = json.loads(report.read_text())
-    broken["strategies"]["checkpoint"]["probes"] = [{"ok": True}]
-    (tmp_path / "bad.json").write_text(json.dumps(broken))
-    with pytest.raises(ValueError, match="probes of 'checkpoint' are not what a search writes"):
-        LongContextConfig.small(**sizes, resume=str(tmp_path / "bad.json"))
-    with pytest.raises(ValueError, match="cannot read the report to resume"):
-        LongContextConfig.small(**sizes, resume=str(tmp_path / "missing.json"))
+    good = json.loads(report.read_text())
+
+    def problem(changes: dict, edit=None) -> str | None:
+        stored = json.loads(json.dumps(good))
+        if edit is not None:
+            edit(stored)
+        (tmp_path / "bad.json").write_text(json.dumps(stored))
+        return LongContextConfig.small(**{**sizes, **changes}, resume=str(tmp_path / "bad.json")).device_problem(CPU)
+
+    def probe(**fields):
+        return lambda r: r["strategies"]["checkpoint"]["probes"][0].update(fields)
+
+    assert problem({}) is None
+    refused = {
+        "search ran with hidden 32, this one with 64: only the same search": problem({"hidden": 64}),
+        "search ran with steps 1, this one with 2": problem({"steps": 2}),
+        r"ran on .*, this one on": problem({}, lambda r: r.update(device="another")),
+        r"a probe at \d+ tokens, not a multiple of 32 up to max_seq 32": problem({"max_seq": 32}),
+        "also searched \\['checkpoint'\\]: name every strategy": problem({"strategies": ["no offload"]}),
+        "is not a long-context report": problem({}, lambda r: r.update(scenario="basic")),
+        "wrong type: .*'seq': '64'": problem({}, probe(seq="64")),
+        "wrong type: .*'ok': 'false'": problem({}, probe(ok="false")),
+        "wrong type: .*'peak_bytes': 'lots'": problem({}, probe(peak_bytes="lots")),
+        "not a multiple of 32": problem({}, probe(seq=48)),
+        "1024 tokens ran, but": problem({}, probe(seq=1024, ok=True)),
+        "done, longest or capped": problem({}, lambda r: r["strategies"]["checkpoint"].update(done="false")),
+        "host_budget_bytes is not a positive": problem({}, lambda r: r.update(host_budget_bytes=-5)),
+    }
+    import re
+
+    for why, said in refused.items():
+        assert said is not None and re.search(why, said), (why, said)
+    (tmp_path / "bad.json").write_text("{")
+    assert "cannot read the report to resume" in LongContextConfig.small(**sizes, resume=str(tmp_path / "bad.json")) \
+        .device_problem(CPU)
+    with pytest.raises(ValueError, match="search ran with hidden"):  # run() refuses it before building anything
+        monkeypatch.setattr(lc, "Trainee", None)
+        run(LongContextConfig.small(**{**sizes, "hidden": 64}, resume=str(report)), CPU, progress=None)
+    with pytest.raises(SystemExit) as stop:  # the command line: one line, exit code 2
+        main(["--small", "--layers", "4", "--hidden", "64", "--resume", str(report), "--strategies", "checkpoint"])
+    assert stop.value.code == 2
+
+
+def test_a_finished_search_capped_by_a_shorter_max_seq_goes_on_when_max_seq_grows(hf, tmp_path):
+    from offload_examples.scenarios.long_context import LongContextConfig, run
+
+    sizes = dict(**TINY, memory_limit=2 * 2**20, strategies=["checkpoint"], speeds=False)
+    whole = run(LongContextConfig.small(**sizes), CPU, progress=None)["strategies"]["checkpoint"]
+    capped = tmp_path / "capped.json"
+    short = run(LongContextConfig.small(**{**sizes, "max_seq": 128}, progress_json=str(capped)), CPU, progress=None)
+    assert short["strategies"]["checkpoint"]["capped"] and short["strategies"]["checkpoint"]["longest"] == 128
+    again = run(LongContextConfig.small(**sizes, resume=str(capped)), CPU, progress=None)["strategies"]["checkpoint"]
+    assert again["longest"] == whole["longest"] and not again["capped"] and again["done"]
 
 
 def test_bad_input_is_a_clear_error(hf):

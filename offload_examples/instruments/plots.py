@@ -12,8 +12,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "plot_bench_memory_time", "plot_bench_overhead", "plot_bench_saving", "plot_fraction_tradeoff",
-    "plot_longest_sequence", "plot_memory_by_phase", "plot_peaks_by_length", "plot_memory_curves", "plot_overlap", "plot_schedule",
-    "plot_stream_timeline", "plot_sweep", "plot_timeline", "plot_variants",
+    "plot_longest_sequence", "plot_memory_by_phase", "plot_memory_curves", "plot_overlap", "plot_peaks_by_length",
+    "plot_schedule", "plot_stream_timeline", "plot_sweep", "plot_timeline", "plot_variants",
 ]
 
 GiB = 2**30

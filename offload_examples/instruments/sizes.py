@@ -52,6 +52,10 @@ class ScenarioConfig:
     def check(self) -> None:
         """Raise ``ValueError`` for values this scenario cannot run (beyond the shared checks)."""
 
+    def device_problem(self, device: torch.device) -> str | None:
+        """Why these values cannot run on ``device`` (the command line's one-line error), or ``None``."""
+        return None
+
     def memory_need(self, device_type: str) -> Need:
         """The GPU and host memory a run of these sizes on ``device_type`` (``cuda`` or ``cpu``) needs,
         estimated from the sizes alone (see :func:`~offload_examples.instruments.cli.memory_error`); each scenario

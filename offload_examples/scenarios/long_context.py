@@ -26,7 +26,6 @@ The loop to copy is :func:`train`, at the top of the module.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -105,17 +104,22 @@ class LongContextConfig(Timing, ScenarioConfig):
             raise ValueError(f"unknown strategy {unknown[0]!r}; choose from: {', '.join(lc.STRATEGIES)}")
         if not self.strategies or len(set(self.strategies)) != len(self.strategies):
             raise ValueError(f"strategies must name one or more strategies, each once, got {self.strategies}")
-        self.plot = None if self.plot is None else str(self.plot)
-        self.progress_json = None if self.progress_json is None else str(self.progress_json)
-        self.resume = None if self.resume is None else str(self.resume)
-        if self.resume is not None:  # a report of another search is refused before anything runs
-            probes.resumable(self.resume, {"config": dataclasses.asdict(self)})
+        self.plot, self.progress_json, self.resume = (None if path is None else str(path)
+                                                      for path in (self.plot, self.progress_json, self.resume))
         for name in ("memory_limit", "host_budget"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive number of bytes, got {getattr(self, name)}")
         weights = self.weights() * dtype_bytes(self.dtype)
         if self.memory_limit is not None and self.memory_limit <= weights:
             raise ValueError(f"memory_limit ({self.memory_limit} bytes) is too small: the weights alone take {weights}")
+
+    def device_problem(self, device: torch.device) -> str | None:
+        """A report to resume that another search wrote (other sizes or strategies, another device, malformed)."""
+        try:
+            probes.resumable(self.resume, report_header("long-context", device, self)) if self.resume else None
+        except ValueError as e:  # refused before anything runs (run() raises it)
+            return str(e)
+        return None
 
     def weights(self) -> int:
         """The base model's parameters."""

@@ -145,7 +145,7 @@ def search_entry(found: SearchResult, done: bool = True) -> dict[str, Any]:
 
 #: What a resumed search must share with the report it goes on from: what its steps' memory depends on.
 SAME_SEARCH = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "dtype", "batch", "lora_rank", "loss_chunk",
-               "resolution", "memory_limit", "host_budget", "seed")
+               "resolution", "memory_limit", "host_budget", "seed", "warmup", "steps")
 
 
 def resumable(path: str, header: Mapping[str, Any]) -> tuple[dict[str, Any], int | None]:
@@ -155,8 +155,9 @@ def resumable(path: str, header: Mapping[str, Any]) -> tuple[dict[str, Any], int
     as :class:`Probe` under ``known``, for :func:`search_all`.
 
     The report must come from the same search: the sizes of :data:`SAME_SEARCH`, the device where
-    ``header`` names it, no probe beyond the run's ``max_seq``. Raises ``ValueError`` naming the first
-    difference, or why the report cannot be read.
+    ``header`` names it, strategies the run searches too, and probes as a search writes them (lengths
+    that are multiples of the resolution up to the run's ``max_seq``, every one that ran shorter than
+    every one that did not). Raises ``ValueError`` naming what differs or is malformed.
     """
     try:
         report = json.loads(Path(path).read_text())
@@ -173,17 +174,47 @@ def resumable(path: str, header: Mapping[str, Any]) -> tuple[dict[str, Any], int
     for key in ("device_type", "device"):
         if key in header and report.get(key) != header[key]:
             raise ValueError(f"the report's search ran on {report.get(key)!r}, this one on {header[key]!r}")
-    entries, names = {}, {f.name for f in dataclasses.fields(Probe)}
-    for name, entry in report["strategies"].items():
-        try:
-            known = [Probe(**{k: v for k, v in p.items() if k in names}) for p in entry["probes"]]
-        except (KeyError, TypeError, AttributeError) as err:
-            raise ValueError(f"the report's probes of {name!r} are not what a search writes ({err})") from None
-        if beyond := [p.seq for p in known if p.seq > config["max_seq"]]:
-            raise ValueError(f"the report's search of {name!r} ran {max(beyond)} tokens, beyond max_seq "
-                             f"({config['max_seq']})")
-        entries[name] = {**entry, "known": known}
-    return entries, report.get("host_budget_bytes")
+    if other := [name for name in report["strategies"] if name not in config["strategies"]]:
+        raise ValueError(f"the report also searched {other}: name every strategy it searched (--strategies)")
+    host = report.get("host_budget_bytes")
+    if host is not None and (not _is_int(host) or host < 1):
+        raise ValueError(f"the report's host_budget_bytes is not a positive number of bytes: {host!r}")
+    entries = {name: _entry(name, entry, config) for name, entry in report["strategies"].items()}
+    return entries, host
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_PROBE_TYPES = {"seq": _is_int, "ok": lambda v: isinstance(v, bool), "note": lambda v: isinstance(v, str),
+                "why": lambda v: isinstance(v, str),
+                **{k: lambda v: v is None or _is_int(v) for k in ("peak_bytes", "host_bytes", "predicted_peak_bytes")},
+                "tokens_per_s": lambda v: v is None or isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _entry(name: str, entry: Any, config: Mapping[str, Any]) -> dict[str, Any]:
+    """A strategy's entry of a stored report, checked as :func:`resumable` says, its probes under ``known``."""
+    def bad(why: str) -> ValueError:
+        return ValueError(f"the report's search of {name!r} is not what a search writes: {why}")
+
+    if not isinstance(entry, dict) or not isinstance(entry.get("probes"), list):
+        raise bad("no list of probes")
+    if not isinstance(entry.get("done", True), bool) or not _is_int(entry.get("longest")) \
+            or not isinstance(entry.get("capped"), bool):
+        raise bad("done, longest or capped missing or of the wrong type")
+    known, resolution = [], config["resolution"]
+    for p in entry["probes"]:
+        if not isinstance(p, dict) or "seq" not in p or "ok" not in p \
+                or not all(check(p[k]) for k, check in _PROBE_TYPES.items() if k in p):
+            raise bad(f"a probe with fields missing or of the wrong type: {p!r}")
+        if p["seq"] % resolution or not resolution <= p["seq"] <= config["max_seq"]:
+            raise bad(f"a probe at {p['seq']} tokens, not a multiple of {resolution} up to max_seq {config['max_seq']}")
+        known.append(Probe(**{k: p[k] for k in _PROBE_TYPES if k in p}))
+    ran, failed = [p.seq for p in known if p.ok], [p.seq for p in known if not p.ok]
+    if ran and failed and max(ran) >= min(failed):
+        raise bad(f"{max(ran)} tokens ran, but {min(failed)} did not")
+    return {**entry, "known": known}
 
 
 def search_all(trainee: lc.Trainee, names: Sequence[str], costs: lc.CostModel | None, limit: int | None, host: int,
@@ -191,13 +222,17 @@ def search_all(trainee: lc.Trainee, names: Sequence[str], costs: lc.CostModel | 
                resumed: Mapping[str, Any] | None = None, **sizes: int) -> None:
     """Each strategy's search (:func:`search_strategy` at ``sizes``: resolution, max_seq, warmup, steps), its
     entry (:func:`search_entry`) in ``results`` after each probe, ``save`` called then. With ``resumed``
-    (:func:`resumable`), a search the report finished is kept as it is, and one cut short goes on from its
-    probes, keeping its first prediction."""
+    (:func:`resumable`), every entry of the report is in ``results`` from the start; a search the report
+    finished is kept as it is (unless it stopped at a shorter ``max_seq``), and the others go on from
+    their probes, keeping their first prediction."""
+    resumed = resumed or {}
+    results.update({name: _stored(resumed[name]) for name in names if name in resumed})
+    top = sizes["max_seq"] - sizes["max_seq"] % sizes["resolution"]
     for name in names:
-        old = (resumed or {}).get(name, {})
-        if old.get("done", bool(old)):  # finished (a report written at the end of a run has no done flag)
-            results[name] = {k: v for k, v in old.items() if k != "known"}
-            say(f"  [{name}] its search in the report is finished: {old['longest']} tokens")
+        old = resumed.get(name, {})
+        if old.get("done", bool(old)) and not (old["capped"] and old["longest"] < top):  # a report written
+            say(f"  [{name}] its search in the report is finished: {old['longest']} tokens")  # at the end: no done
+            save()
             continue
 
         def entry(found: SearchResult, done: bool = True, first: int | None = old.get("predicted")) -> dict:
@@ -210,6 +245,11 @@ def search_all(trainee: lc.Trainee, names: Sequence[str], costs: lc.CostModel | 
         results[name] = entry(search_strategy(trainee, name, costs, limit, host, say, on_probe=so_far,
                                               known=old.get("known", ()), **sizes))
         save()
+
+
+def _stored(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """A stored entry as the report keeps it (its probes as stored, not as :class:`Probe`)."""
+    return {k: v for k, v in entry.items() if k != "known"}
 
 
 def as_dict(probe: Probe | None) -> dict[str, Any] | None:

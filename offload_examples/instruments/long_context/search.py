@@ -37,7 +37,9 @@ class Probe:
     engine held at once, as the pinned allocator reserves it (each buffer rounded up to a power of two);
     ``tokens_per_s``: tokens trained per second (median step time); ``note``: why it failed, or what the
     strategy ran (the plan, the number of offloaded layers); ``predicted_peak_bytes``: the peak the cost
-    model predicted for what ran, where a model chose it (the engine's ``k``, the planner's plan).
+    model predicted for what ran, where a model predicts it (the engine, the planner, checkpointing with
+    offloaded inputs); ``why``: why the search tried this length (``first``, ``predicted``, ``bisect``, ...),
+    so that a resumed search knows what its last probe was.
     """
 
     seq: int
@@ -47,6 +49,7 @@ class Probe:
     tokens_per_s: float | None = None
     note: str = ""
     predicted_peak_bytes: int | None = None
+    why: str = ""
 
 
 @dataclass
@@ -135,7 +138,8 @@ def longest_sequence(run: Callable[[int], Probe], *, resolution: int, max_seq: i
     twice it; where ``first`` does not run, one resolution is tried next. ``on_probe`` gets the result so
     far after each probe (its ``longest`` the longest length that ran yet), so that a caller can keep a
     search that is cut short. ``known``: probes a search of the same steps already ran (a search cut short,
-    resumed): they count as if run first, and the search goes on from them without running them again.
+    resumed): they count as if run first (a known model's miss last is followed by bisection), and the
+    search goes on from them without running them again.
     """
     if resolution < 1 or max_seq < 1:
         raise ValueError(f"resolution and max_seq must be positive, got {resolution} and {max_seq}")
@@ -166,8 +170,8 @@ def longest_sequence(run: Callable[[int], Probe], *, resolution: int, max_seq: i
             hi, streak = min(hi, p.seq), min(streak, 0) - 1
         result.longest = lo
 
-    for p in known:
-        record(p, "known")
+    for p in known:  # as if run here: a model's miss last is followed by bisection, as it would have been
+        record(p, p.why or "known")
     if known:
         say(f"  [{label}] resumed from {len(known)} probes: {lo} tokens ran, "
             + (f"{hi} did not" if hi <= max_seq else "none failed"))
@@ -185,6 +189,7 @@ def longest_sequence(run: Callable[[int], Probe], *, resolution: int, max_seq: i
         except OutOfMemoryError as e:
             p = Probe(seq, False, note=f"out of memory: {str(e).splitlines()[0][:120]}")
             free_memory(pinned=True)  # what the failed step held, its pinned copies included
+        p.why = why
         record(p, why)
         say(f"  [{label}] {why:>10} {seq:>8} tokens: " + (_ok_text(p) if p.ok else p.note))
         if on_probe is not None:

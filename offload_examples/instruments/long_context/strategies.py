@@ -38,8 +38,8 @@ from offload_examples.core.errors import OffloadWarning
 from offload_examples.features.apply import OffloadedLayers, offload_layers
 from offload_examples.features.planner import (KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_OFFLOAD, RECOMPUTED, LayerCost,
                                                 LinkCost, Plan, plan, plan_host_bytes, simulate_plan)
-from offload_examples.instruments.measure import deterministic_kernels
-from offload_examples.instruments.long_context.memory import held_bytes, step_memory
+from offload_examples.instruments.measure import deterministic_kernels, free_memory
+from offload_examples.instruments.long_context.memory import OutOfMemoryError, held_bytes, step_memory
 from offload_examples.instruments.long_context.model import decoder_layers, lora_step
 from offload_examples.instruments.long_context.search import Probe, longest_multiple
 from offload_examples.instruments.models import enable_activation_checkpointing
@@ -147,7 +147,8 @@ def measure_cost_model(trainee: Trainee, seq: int, link: LinkCost, max_seq: int 
     """Measure a :class:`CostModel`: each layer's saved bytes and time from a step at ``seq`` tokens with
     nothing checkpointed (the engine's probe counts them), and the rest of the peak from two steps with
     every layer checkpointed, at ``16 seq`` and ``32 seq`` tokens (half ``max_seq`` and ``max_seq`` where
-    that is shorter, never below ``seq`` and ``2 seq``; each step after one to warm up).
+    that is shorter, never below ``seq`` and ``2 seq``; each step after one to warm up; where those run out
+    of memory, at half the lengths, down to ``4 seq`` and ``8 seq``).
 
     The checkpointed steps are what long sequences run (they fit where keeping everything does not). Their
     lengths must be long enough for the memory that grows with the length to set the peak: at a few times
@@ -162,10 +163,18 @@ def measure_cost_model(trainee: Trainee, seq: int, link: LinkCost, max_seq: int 
     element = next(p for p in trainee.model.parameters() if p.is_floating_point()).element_size()
     inputs = (trainee.batch * seq * width * element,) * trainee.layers
     top = max(min(32 * seq, max_seq or 32 * seq), 2 * seq)
-    lengths, rest = (max(top // 2, seq), top), []
-    with strategy_mode(trainee, "checkpoint"):
-        for n in lengths:  # what a checkpointed step holds beyond the inputs and one layer's recomputation
-            rest.append(_measure_step(trainee, n)[2] - max(saved) * n // seq)
+    while True:
+        lengths, rest = (max(top // 2, seq), top), []
+        try:
+            with strategy_mode(trainee, "checkpoint"):
+                for n in lengths:  # what a checkpointed step holds beyond the inputs and one layer's recomputation
+                    rest.append(_measure_step(trainee, n)[2] - max(saved) * n // seq)
+            break
+        except OutOfMemoryError:  # a device too small for those lengths: shorter ones, down to 4 and 8 seq
+            free_memory()
+            if top <= 8 * seq:
+                raise
+            top //= 2
     per_token = max((rest[1] - rest[0]) / (lengths[1] - lengths[0]), 0.0)
     fixed = max(round(rest[0] - per_token * lengths[0]), 0)
     return CostModel(seq, saved, inputs, ms / 3 / trainee.layers, static, round(per_token * seq), link, fixed, sizes)
@@ -205,8 +214,8 @@ class Setting:
     offloaded: int
     caps: tuple[tuple[int, int], ...] = ()
     note: str = ""
-    fits: bool = True  # the cost model predicts it within the limit (engine and planner)
-    predicted_peak_bytes: int | None = None  # what the cost model predicts (engine and planner)
+    fits: bool = True  # the cost model predicts it within the limit (engine, planner, checkpoint + offload)
+    predicted_peak_bytes: int | None = None  # what the cost model predicts (the same three)
 
 
 def choose(strategy: str, seq: int, layers: int, costs: CostModel | None, limit_bytes: int | None,
@@ -225,7 +234,7 @@ def choose(strategy: str, seq: int, layers: int, costs: CostModel | None, limit_
     if strategy == "checkpoint":
         return Setting(strategy, every, 0)
     if strategy == "checkpoint + offload":  # the planner's plan that holds least: inputs to the host while it has room
-        peak = costs and least_memory("planner", layers, costs, seq, host_budget_bytes).predicted_peak_bytes
+        peak = least_memory("planner", layers, costs, seq, host_budget_bytes).predicted_peak_bytes if costs else None
         return Setting(strategy, every, layers - 1, note=f"checkpoint inputs of layers 0-{layers - 2} offloaded",
                        fits=not peak or limit_bytes is None or peak <= limit_bytes, predicted_peak_bytes=peak)
     if strategy not in ("engine", "planner"):
