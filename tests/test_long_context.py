@@ -91,18 +91,22 @@ def test_the_search_stops_at_max_seq_and_at_a_first_refusal():
     assert nothing.longest == 0 and [p.ok for p in nothing.probes] == [False] and nothing.best is None
 
 
-@pytest.mark.parametrize("cut", [1, 2, 3, 4, 5])
-def test_a_search_cut_short_and_resumed_ends_where_a_whole_one_does_running_no_length_twice(cut):
+@pytest.mark.parametrize("guess", [None, 1600, 4000, 6000])  # a line's fit; a model that under- or overshoots
+@pytest.mark.parametrize("cut", [1, 2, 3, 4, 5, 6, 7])
+def test_a_search_cut_short_and_resumed_runs_what_a_whole_one_does_and_no_length_twice(cut, guess):
     peak, limit = (lambda s: 1000 + 10 * s + 0.001 * s * s), 60_000
-    whole = longest_sequence(_run_under(peak, limit), resolution=16, max_seq=8192, limit_bytes=limit)
+    predict = None if guess is None else (lambda _: guess)
+    whole = longest_sequence(_run_under(peak, limit), resolution=16, max_seq=8192, limit_bytes=limit, predict=predict)
     ran: list[int] = []
 
     def run(seq: int) -> Probe:
         ran.append(seq)
         return _run_under(peak, limit)(seq)
 
-    resumed = longest_sequence(run, resolution=16, max_seq=8192, limit_bytes=limit, known=whole.probes[:cut])
+    resumed = longest_sequence(run, resolution=16, max_seq=8192, limit_bytes=limit, known=whole.probes[:cut],
+                               predict=predict)
     _assert_boundary(resumed, lambda s: peak(s) <= limit)
+    assert [p.seq for p in resumed.probes] == [p.seq for p in whole.probes]  # bisection, galloping as before
     assert resumed.longest == whole.longest and resumed.probes[:cut] == whole.probes[:cut]
     assert not set(ran) & {p.seq for p in whole.probes[:cut]} and len(set(ran)) == len(ran)
     with pytest.raises(ValueError, match=r"known probes at \[24\] tokens: each must be a multiple"):
@@ -440,6 +444,7 @@ def test_a_run_resumed_from_its_report_goes_on_where_it_stopped_and_keeps_what_w
     lines: list[str] = []
     again = run(LongContextConfig.small(**sizes, resume=str(progress)), CPU, progress=lines.append)["strategies"]
     assert {name: r["longest"] for name, r in again.items()} == {name: r["longest"] for name, r in whole.items()}
+    assert list(again) == sizes["strategies"]  # in this run's order
     assert again["no offload"] == json.loads(progress.read_text())["strategies"]["no offload"]  # kept, not rerun
     assert any("[no offload] its search in the report is finished" in line for line in lines)
     first_two = [p["seq"] for p in again["checkpoint"]["probes"][:2]]
@@ -479,7 +484,12 @@ def test_a_report_of_another_search_is_refused_before_anything_runs(hf, tmp_path
         "wrong type: .*'peak_bytes': 'lots'": problem({}, probe(peak_bytes="lots")),
         "not a multiple of 32": problem({}, probe(seq=48)),
         "1024 tokens ran, but": problem({}, probe(seq=1024, ok=True)),
-        "done, longest or capped": problem({}, lambda r: r["strategies"]["checkpoint"].update(done="false")),
+        "done, longest, capped or predicted": problem({}, lambda r: r["strategies"]["checkpoint"].update(done="no")),
+        "its longest, 99999, is not the longest": problem({}, lambda r: r["strategies"]["checkpoint"].update(
+            longest=99999)),
+        "wrong type: .*'tokens_per_s': None": problem({}, probe(tokens_per_s=None)),
+        "a finished search ends where a length ran": problem({}, lambda r: r["strategies"]["checkpoint"].update(
+            probes=[p for p in r["strategies"]["checkpoint"]["probes"] if p["ok"]])),
         "host_budget_bytes is not a positive": problem({}, lambda r: r.update(host_budget_bytes=-5)),
     }
     import re

@@ -221,8 +221,8 @@ def json_file_arg(text: str) -> Path:
         data = json.loads(path.read_text())
     except OSError as e:
         raise argparse.ArgumentTypeError(f"cannot read {text!r}: {e.strerror or e}") from None
-    except ValueError as e:  # not UTF-8, or not JSON
-        raise argparse.ArgumentTypeError(f"{text} does not hold JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested beyond Python's limit
+        raise argparse.ArgumentTypeError(f"{text} does not hold JSON ({type(e).__name__}: {e})") from None
     if not isinstance(data, dict):
         raise argparse.ArgumentTypeError(f"{text} holds JSON, but not an object (a report)")
     return path

@@ -137,9 +137,11 @@ def _choose_device(parser: ArgumentParser, args: argparse.Namespace, config_cls:
     device = args.device or default_device()
     small = args.small or device.type != "cuda"
     config = make_config(parser, config_cls, changes, small)
-    if (why := check_kind(getattr(config, "kind", "torch"), device) or config.device_problem(device)) is not None:
+    if (why := check_kind(getattr(config, "kind", "torch"), device)) is not None:
         parser.error(why)
-    import_transformer_engine()  # when installed: before CUDA starts
+    import_transformer_engine()  # when installed: before CUDA starts (which naming the device does)
+    if (why := config.device_problem(device)) is not None:
+        parser.error(why)
     check_memory(parser, config.memory_need(device.type), [device], hint=size_hint(args, small))
     return config, device
 

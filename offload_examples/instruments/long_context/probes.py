@@ -161,7 +161,7 @@ def resumable(path: str, header: Mapping[str, Any]) -> tuple[dict[str, Any], int
     """
     try:
         report = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise ValueError(f"cannot read the report to resume, {path}: {e}") from None
     if not isinstance(report, dict) or report.get("scenario") != "long-context" \
             or not isinstance(report.get("strategies"), dict) or not isinstance(report.get("config"), dict):
@@ -184,7 +184,7 @@ def resumable(path: str, header: Mapping[str, Any]) -> tuple[dict[str, Any], int
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**63
 
 
 _PROBE_TYPES = {"seq": _is_int, "ok": lambda v: isinstance(v, bool), "note": lambda v: isinstance(v, str),
@@ -200,13 +200,15 @@ def _entry(name: str, entry: Any, config: Mapping[str, Any]) -> dict[str, Any]:
 
     if not isinstance(entry, dict) or not isinstance(entry.get("probes"), list):
         raise bad("no list of probes")
-    if not isinstance(entry.get("done", True), bool) or not _is_int(entry.get("longest")) \
-            or not isinstance(entry.get("capped"), bool):
-        raise bad("done, longest or capped missing or of the wrong type")
+    done, longest, capped, predicted = (entry.get(k) for k in ("done", "longest", "capped", "predicted"))
+    if not isinstance(done, (bool, type(None))) or not _is_int(longest) or not isinstance(capped, bool) \
+            or not (predicted is None or _is_int(predicted)):
+        raise bad("done, longest, capped or predicted missing or of the wrong type")
     known, resolution = [], config["resolution"]
     for p in entry["probes"]:
         if not isinstance(p, dict) or "seq" not in p or "ok" not in p \
-                or not all(check(p[k]) for k, check in _PROBE_TYPES.items() if k in p):
+                or not all(check(p[k]) for k, check in _PROBE_TYPES.items() if k in p) \
+                or p["ok"] and (p.get("peak_bytes") is None or p.get("tokens_per_s") is None):
             raise bad(f"a probe with fields missing or of the wrong type: {p!r}")
         if p["seq"] % resolution or not resolution <= p["seq"] <= config["max_seq"]:
             raise bad(f"a probe at {p['seq']} tokens, not a multiple of {resolution} up to max_seq {config['max_seq']}")
@@ -214,7 +216,12 @@ def _entry(name: str, entry: Any, config: Mapping[str, Any]) -> dict[str, Any]:
     ran, failed = [p.seq for p in known if p.ok], [p.seq for p in known if not p.ok]
     if ran and failed and max(ran) >= min(failed):
         raise bad(f"{max(ran)} tokens ran, but {min(failed)} did not")
-    return {**entry, "known": known}
+    if longest != max(ran, default=0):
+        raise bad(f"its longest, {longest}, is not the longest length its probes ran")
+    if done is not False and (failed if capped else min(failed, default=None) != longest + resolution):
+        raise bad("a finished search ends where a length ran and the next one did not, or at max_seq")
+    found = SearchResult(longest, resolution, known, predicted, capped)  # the entry as a search would write it
+    return {**search_entry(found, done is not False), "known": known}
 
 
 def search_all(trainee: lc.Trainee, names: Sequence[str], costs: lc.CostModel | None, limit: int | None, host: int,
@@ -245,6 +252,9 @@ def search_all(trainee: lc.Trainee, names: Sequence[str], costs: lc.CostModel | 
         results[name] = entry(search_strategy(trainee, name, costs, limit, host, say, on_probe=so_far,
                                               known=old.get("known", ()), **sizes))
         save()
+    ordered = {name: results[name] for name in names if name in results}  # this run's order, not the report's
+    results.clear()
+    results.update(ordered)
 
 
 def _stored(entry: Mapping[str, Any]) -> dict[str, Any]:

@@ -202,6 +202,8 @@ def longest_sequence(run: Callable[[int], Probe], *, resolution: int, max_seq: i
     if lo and len({p.seq for p in result.probes if p.ok}) < 2 and 2 * lo < hi and 2 * lo <= max_seq:
         probe(2 * lo, "slope")
     up = resolution  # the step above the longest that ran, when the fit predicts nothing longer
+    for p in known:  # a resumed search gallops on as it would have
+        up = 2 * up if p.why in ("confirm", "gallop") and p.ok else resolution
     while lo and hi - lo > resolution:
         points = [(p.seq, p.peak_bytes) for p in result.probes if p.ok and p.peak_bytes is not None]
         fitted = predict is not None or len({s for s, _ in points}) >= 2  # one length says nothing of the slope

@@ -148,7 +148,7 @@ def measure_cost_model(trainee: Trainee, seq: int, link: LinkCost, max_seq: int 
     nothing checkpointed (the engine's probe counts them), and the rest of the peak from two steps with
     every layer checkpointed, at ``16 seq`` and ``32 seq`` tokens (half ``max_seq`` and ``max_seq`` where
     that is shorter, never below ``seq`` and ``2 seq``; each step after one to warm up; where those run out
-    of memory, at half the lengths, down to ``4 seq`` and ``8 seq``).
+    of memory, at half the lengths, while the longer is above ``8 seq``).
 
     The checkpointed steps are what long sequences run (they fit where keeping everything does not). Their
     lengths must be long enough for the memory that grows with the length to set the peak: at a few times
