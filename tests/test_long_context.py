@@ -279,7 +279,10 @@ def test_each_strategy_runs_and_its_adapter_gradients_equal_the_plain_ones(train
     from offload_examples.instruments.plan_costs import measure_link
 
     costs = lc.measure_cost_model(trainee, 32, measure_link(CPU, 2**20))
-    assert len(costs.saved_bytes) == 4 and all(s > i > 0 for s, i in zip(costs.saved_bytes, costs.input_bytes))
+    # each input as the engine offloads it: the first is a leaf that requires grad (transformers' checkpointing
+    # makes it one), which the engine keeps, so plans count neither host memory for it nor its freeing
+    assert len(costs.saved_bytes) == 4 and costs.input_bytes[0] == 0
+    assert all(s > i > 0 for s, i in zip(costs.saved_bytes[1:], costs.input_bytes[1:]))
     host, reference = 2**30, None
     for name in STRATEGIES:  # the gradients first: the steps below move the adapters
         with lc.strategy_mode(trainee, name):
@@ -301,7 +304,8 @@ def test_each_strategy_runs_and_its_adapter_gradients_equal_the_plain_ones(train
 def test_the_cost_model_predicts_a_checkpointed_peak_far_beyond_its_steps(trainee, monkeypatch):
     """The checkpointed steps of the cost model run at 16 and 32 times its length (at most ``max_seq``):
     there the memory that grows with the length sets the peak, and the line through them predicts the peak
-    of a step eight times longer, never below it."""
+    of a step eight times longer to within 1 % (counting the first layer's input, which the engine keeps
+    and the checkpointed steps hold, once)."""
     from offload_examples.features.planner import RECOMPUTE, simulate_plan
     from offload_examples.instruments.long_context import strategies as lc
     from offload_examples.instruments.plan_costs import measure_link
@@ -318,7 +322,7 @@ def test_the_cost_model_predicts_a_checkpointed_peak_far_beyond_its_steps(traine
                         limit_bytes=None, host_budget_bytes=2**30, warmup=0, steps=1)
     layer_costs, base = costs.at(4096)
     predicted = simulate_plan((RECOMPUTE,) * trainee.layers, layer_costs, costs.link, base)[0]
-    assert ran.peak_bytes <= predicted <= 1.05 * ran.peak_bytes
+    assert abs(predicted - ran.peak_bytes) <= 0.01 * ran.peak_bytes, (predicted, ran.peak_bytes)
 
 
 def test_without_speeds_the_run_only_searches(hf):

@@ -52,7 +52,7 @@ __all__ = ["LongContextConfig", "format_report", "main", "run", "train"]
 
 def train(model: nn.Module, batches: Iterable[torch.Tensor], loss_chunk: int = 1024, lr: float = 1e-4) -> None:
     """The loop to copy: LoRA fine-tuning on long sequences, every layer checkpointed by transformers and
-    the checkpoints' inputs (all but the last layer's) waiting in pinned host memory."""
+    the checkpoints' inputs (but the last layer's, and the first's: a leaf the engine keeps) in pinned host memory."""
     enable_activation_checkpointing(model)  # each layer keeps only its input, and recomputes in the backward
     layers = lc_model.decoder_layers(model)
     handle = offload_layers(model, type(layers[0]), num_layers=len(layers) - 1)  # those inputs go to the host

@@ -5,7 +5,8 @@
   forward again in the backward.
 - ``checkpoint + offload``: the same, with the checkpoints' inputs of all layers but the last in pinned
   host memory: :func:`~offload_examples.features.apply.offload_layers` around layers whose call
-  transformers checkpoints offloads exactly what each checkpoint keeps.
+  transformers checkpoints offloads exactly what each checkpoint keeps, but the first layer's input,
+  which checkpointing makes a leaf that requires grad and the engine keeps, as it keeps parameters.
 - ``engine``: the engine's k-of-N offloading of everything the first ``k`` layers save, at the ``k``
   best for each length: the fewest layers whose predicted peak fits the memory limit (fewer copies,
   faster), within the pinned host budget.
@@ -101,8 +102,9 @@ class CostModel:
     """The planner's costs of an unmodified model's layers at any length, from one step measured at ``seq``
     (the adapter; see the module's docstring).
 
-    ``saved_bytes`` and ``input_bytes``: per layer, what its forward saves and its input (what a checkpoint
-    keeps); ``layer_ms``: one layer's forward time; ``static_bytes``: weights and optimizer state;
+    ``saved_bytes`` and ``input_bytes``: per layer, what its forward saves and what the engine offloads of it
+    when checkpointed (its input, unless the engine keeps that on the device); ``layer_ms``: one layer's
+    forward time; ``static_bytes``: weights and optimizer state;
     ``other_bytes``: the part of the rest of the step's peak (the backward's temporaries) that grows with
     the length, and ``other_fixed_bytes`` the part that does not (a chunk of the loss's logits);
     ``storage_bytes``: per layer, the bytes of each storage it saves (``None`` where unknown), which the
@@ -157,24 +159,28 @@ def measure_cost_model(trainee: Trainee, seq: int, link: LinkCost, max_seq: int 
     (on Llama 3 8B's shape, checkpointed peaks at 4,096 and 8,192 tokens grow about three fifths as fast
     as those near 250,000; at 16,384 and 32,768 tokens, as fast). A line through the two gives the part
     that grows and the part that does not.
+
+    Each layer's input is what the engine offloads of it in the first checkpointed step: nothing where the
+    engine keeps the input on the device (the first layer's, which transformers' checkpointing makes a
+    leaf that requires grad, and which the engine takes for one held elsewhere), so that a plan neither
+    counts host memory for it nor expects the device to free it.
     """
     ms, saved, _, static, sizes = _measure_step(trainee, seq)
-    width = trainee.model.get_base_model().config.hidden_size
-    element = next(p for p in trainee.model.parameters() if p.is_floating_point()).element_size()
-    inputs = (trainee.batch * seq * width * element,) * trainee.layers
     top = max(min(32 * seq, max_seq or 32 * seq), 2 * seq)
     while True:
         lengths, rest = (max(top // 2, seq), top), []
         try:
             with strategy_mode(trainee, "checkpoint"):
-                for n in lengths:  # what a checkpointed step holds beyond the inputs and one layer's recomputation
-                    rest.append(_measure_step(trainee, n)[2] - max(saved) * n // seq)
+                steps = [_measure_step(trainee, n) for n in lengths]
             break
         except OutOfMemoryError:  # a device too small for those lengths: shorter ones, down to 4 and 8 seq
             free_memory()
             if top <= 8 * seq:
                 raise
             top //= 2
+    # what a checkpointed step holds beyond the inputs it offloads and one layer's recomputation
+    rest = [step[2] - max(saved) * n // seq for step, n in zip(steps, lengths)]
+    inputs = tuple(round(s * seq / lengths[0]) for s in steps[0][1])
     per_token = max((rest[1] - rest[0]) / (lengths[1] - lengths[0]), 0.0)
     fixed = max(round(rest[0] - per_token * lengths[0]), 0)
     return CostModel(seq, saved, inputs, ms / 3 / trainee.layers, static, round(per_token * seq), link, fixed, sizes)
@@ -235,7 +241,8 @@ def choose(strategy: str, seq: int, layers: int, costs: CostModel | None, limit_
         return Setting(strategy, every, 0)
     if strategy == "checkpoint + offload":  # the planner's plan that holds least: inputs to the host while it has room
         peak = least_memory("planner", layers, costs, seq, host_budget_bytes).predicted_peak_bytes if costs else None
-        return Setting(strategy, every, layers - 1, note=f"checkpoint inputs of layers 0-{layers - 2} offloaded",
+        note = "checkpoint inputs offloaded but the last layer's and the first's (a leaf)"
+        return Setting(strategy, every, layers - 1, note=note,
                        fits=not peak or limit_bytes is None or peak <= limit_bytes, predicted_peak_bytes=peak)
     if strategy not in ("engine", "planner"):
         raise ValueError(f"unknown strategy {strategy!r}; choose from: {', '.join(STRATEGIES)}")
