@@ -388,6 +388,21 @@ def test_the_run_finds_each_boundary_under_a_cpu_limit_and_writes_report_and_plo
     assert "bitwise equal" in text and "6 rounds taking turns, one step of each strategy a round" in text
 
 
+def test_under_a_host_budget_the_planner_runs_as_long_as_checkpointing_with_offloaded_inputs(hf):
+    """The planner's plan that holds least is checkpointing with its inputs on the host as far as the budget
+    holds them: it must reach that strategy's longest, predicted at once by the cost model (which counts
+    each input as the engine offloads it; the first, a leaf that requires grad, stays)."""
+    from offload_examples.scenarios.long_context import LongContextConfig, run
+
+    config = LongContextConfig.small(**{**TINY, "layers": 6, "max_seq": 4096}, memory_limit=2 * 2**20,
+                                     host_budget=2**18, strategies=["checkpoint + offload", "planner"], speeds=False)
+    found = run(config, CPU, progress=None)["strategies"]
+    offloaded, planner = found["checkpoint + offload"], found["planner"]
+    assert planner["longest"] >= offloaded["longest"] > 0
+    assert [r["predicted"] for r in found.values()] == [r["longest"] for r in found.values()]
+    assert all(len(r["probes"]) == 4 for r in found.values())  # two short steps, the prediction, one above
+
+
 def test_the_loop_to_copy_trains_the_adapters_only(trainee):
     from offload_examples.scenarios.long_context import train
 
