@@ -399,8 +399,8 @@ def test_under_a_host_budget_the_planner_runs_as_long_as_checkpointing_with_offl
     found = run(config, CPU, progress=None)["strategies"]
     offloaded, planner = found["checkpoint + offload"], found["planner"]
     assert planner["longest"] >= offloaded["longest"] > 0
-    assert [r["predicted"] for r in found.values()] == [r["longest"] for r in found.values()]
-    assert all(len(r["probes"]) == 4 for r in found.values())  # two short steps, the prediction, one above
+    assert all(abs(r["predicted"] - r["longest"]) <= 32 for r in found.values())  # within a resolution
+    assert all(len(r["probes"]) <= 5 for r in found.values())  # two short steps, the prediction, its neighbours
 
 
 def test_the_loop_to_copy_trains_the_adapters_only(trainee):

@@ -48,6 +48,7 @@ from offload_examples.core.api import get_cpu_offload_context
 from offload_examples.core.engine import OffloadEngine
 from offload_examples.core.errors import OffloadWarning
 from offload_examples.core.layer_state import LayerStats
+from offload_examples.core.policy import is_weight_like
 from offload_examples.features.planner import (TIME_FIELDS, Checkpointed, LayerCost, LinkCost, ModuleCost,
                                                  offload_schedule)
 from offload_examples.instruments.measure import balanced_orders, quartiles, training_step
@@ -100,10 +101,12 @@ class _LayerLoop:
 
 
 def _input_bytes(args: tuple, kwargs: dict) -> int:
-    """The bytes of a layer's input: the storage of its first tensor argument, positional or keyword
-    (the hidden state; masks and position embeddings are the same tensors for every layer, held anyway)."""
+    """The bytes of a layer's input the engine offloads when the layer is checkpointed: the storage of its
+    first tensor argument, positional or keyword (the hidden state; masks and position embeddings are the
+    same tensors for every layer, held anyway), or nothing where the engine keeps that on the device as it
+    keeps parameters (a leaf that requires grad, as transformers' checkpointing makes the first layer's input)."""
     first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-    return 0 if first is None else first.untyped_storage().nbytes()
+    return 0 if first is None or is_weight_like(first) else first.untyped_storage().nbytes()
 
 
 def measure_costs(layers: Sequence[nn.Module], x: torch.Tensor, steps: int = 20,

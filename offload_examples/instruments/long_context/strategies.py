@@ -287,6 +287,8 @@ def least_memory(strategy: str, layers: int, costs: CostModel, seq: int, host_bu
     k = layers - 1
     while k and plan_host_bytes(choices_of(k), layer_costs) > host_budget_bytes:
         k -= 1
+    if not any(cost.input_bytes for cost in layer_costs[:k]):  # nothing would leave (a first input the engine keeps)
+        k = 0
     choices = choices_of(k)
     peak = simulate_plan(choices, layer_costs, costs.link, base)[0]
     summary = Plan(choices, peak, 0.0).summary()
