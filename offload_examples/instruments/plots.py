@@ -258,7 +258,7 @@ def plot_peaks_by_length(report: Mapping[str, Any], ax: Axes | None = None) -> A
     Takes the report of :mod:`offload_examples.scenarios.long_context` (its ``memory_limit_bytes``: the line).
     """
     ax = _axes(ax, (7, 4))
-    limit = report.get("memory_limit_bytes")
+    limit, any_predicted = report.get("memory_limit_bytes"), False
     for name, result in report["strategies"].items():
         ran = sorted((p["seq"], p["peak_bytes"] / GiB) for p in result["probes"] if p["ok"] and p["peak_bytes"])
         if not ran:
@@ -268,12 +268,14 @@ def plot_peaks_by_length(report: Mapping[str, Any], ax: Axes | None = None) -> A
                            if p["ok"] and p.get("predicted_peak_bytes"))
         if predicted:
             ax.plot(*zip(*predicted), "o", markersize=9, markerfacecolor="none", color=line.get_color())
+            any_predicted = True
         failed = [p["seq"] for p in result["probes"] if not p["ok"]]
         if failed and limit:
             ax.plot(failed, [limit / GiB] * len(failed), "x", color=line.get_color(), markersize=8, markeredgewidth=2)
     if limit:
         ax.axhline(limit / GiB, color="0.4", ls="--", lw=0.8, label="memory limit")
-    ax.plot([], [], "o", markersize=9, markerfacecolor="none", color="0.3", label="predicted by the cost model")
+    if any_predicted:  # one legend entry for every strategy's hollow markers
+        ax.plot([], [], "o", markersize=9, markerfacecolor="none", color="0.3", label="predicted by the cost model")
     return _by_length(ax, "peak GPU memory (GiB)", "each step that ran (filled) and its prediction (hollow); "
                       "x: out of memory")
 

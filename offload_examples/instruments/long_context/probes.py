@@ -59,8 +59,8 @@ def search_strategy(trainee: lc.Trainee, name: str, costs: lc.CostModel | None, 
     (:func:`~offload_examples.instruments.long_context.search.longest_sequence`).
 
     The engine's ``k`` and the planner's plans come from the cost model, which also predicts the longest
-    length of checkpointing with offloaded inputs (the planner's plan that holds least), whose peaks may fall short of
-    what a step measures (the allocator's rounding and fragmentation, temporaries it does not see).
+    length of checkpointing with offloaded inputs (the planner's plan that holds least). Its peaks may fall
+    short of what a step measures (the allocator's rounding and fragmentation, temporaries it does not see).
     Each step that peaks above its prediction, or runs out of memory although predicted to fit, raises
     ``shortfall``, the most bytes the model fell short by, and later settings are chosen under the limit
     less ``shortfall``: the search learns how far to trust the model. Bytes, not a ratio: what the model
@@ -237,8 +237,8 @@ def search_all(trainee: lc.Trainee, names: Sequence[str], costs: lc.CostModel | 
     top = sizes["max_seq"] - sizes["max_seq"] % sizes["resolution"]
     for name in names:
         old = resumed.get(name, {})
-        if old.get("done", bool(old)) and not (old["capped"] and old["longest"] < top):  # a report written
-            say(f"  [{name}] its search in the report is finished: {old['longest']} tokens")  # at the end: no done
+        if old.get("done") and not (old["capped"] and old["longest"] < top):  # finished, up to this max_seq
+            say(f"  [{name}] its search in the report is finished: {old['longest']} tokens")
             save()
             continue
 

@@ -173,7 +173,7 @@ def measure_cost_model(trainee: Trainee, seq: int, link: LinkCost, max_seq: int 
             with strategy_mode(trainee, "checkpoint"):
                 steps = [_measure_step(trainee, n) for n in lengths]
             break
-        except OutOfMemoryError:  # a device too small for those lengths: shorter ones, down to 4 and 8 seq
+        except OutOfMemoryError:  # a device too small for those lengths: half of them, while above 8 seq
             free_memory()
             if top <= 8 * seq:
                 raise
