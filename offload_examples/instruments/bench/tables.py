@@ -154,6 +154,10 @@ def _graphed_note(runs: Sequence[dict[str, Any]]) -> list[str]:
         if g["bound_ms"] is not None:
             text += (f"; copy bound {g['bound_ms']:.1f} ms, the step with offloading {g['over_reference']:+.1%} "
                      "against the larger of the two")
+        if "offload_forward_ms" in g:  # each layer's graphs timed alone: which ones the copies lengthen
+            text += (f"; the layers' graphs alone, forwards {g['offload_forward_ms']:.1f} ms with offloading "
+                     f"against {g['forward_ms']:.1f} ms, backwards {g['offload_backward_ms']:.1f} against "
+                     f"{g['backward_ms']:.1f} ms, {g['moved_bytes'] / 1e9:.2f} GB copied each way")
         if "whole_step_vs_te" in g:
             w1, w3 = g["whole_step_quartiles"]
             text += (f"; the whole step captured, engine {g['whole_step_ms']:.1f} ms, TE's offload "
