@@ -46,6 +46,7 @@ stored_sources = {
     "bench": "docs/evidence/h200-bench/bench.json",
     "model-A": "docs/evidence/h200-bench/bench.json#models[A]",  # Transformer Engine's layers
     "model-A-torch": "docs/evidence/h200-bench/bench.json#models[A-torch]",  # model A's shapes, PyTorch's layers
+    "graphed-a2": "docs/evidence/h200-bench/graphed_a_k2.json#models[A]",  # model A's graphed column at k = 2
     # output and gradients of one step against a plain step, bit for bit: four layers of models A and A-torch
     "grads-A": "docs/evidence/h200-bench/bench_grads.json#models[A]",
     "grads-A-torch": "docs/evidence/h200-bench/bench_grads.json#models[A-torch]",
@@ -71,7 +72,9 @@ stored_sources = {
     "long-context": "docs/evidence/h200-long-context/long_context.json",  # every strategy's search
     "long-context-turns": "docs/evidence/h200-long-context/at_checkpoint.json",  # at checkpointing's longest
     "long-context-full": "docs/evidence/h200-long-context-full/checkpoint_no_offload.json",  # the whole GPU
-    "long-context-planner": "docs/evidence/h200-long-context-full/planner_search.json",  # the planner, whole GPU
+    "long-context-planner": "docs/evidence/h200-long-context-full/planner_405504.json",  # the planner, whole GPU
+    "long-context-planner-search": "docs/evidence/h200-long-context-full/planner_search.json",  # uncapped search
+    "long-context-engine": "docs/evidence/h200-long-context-full/engine_checkpoint_offload.json",  # engine, c + o
     # per-layer CUDA graphs with offloading at model A's shapes, one H200 (docs/caveats.md)
     "graphs-te": "docs/evidence/h200-graphs/graphs_te.json",  # Transformer Engine's layers
     "graphs-torch": "docs/evidence/h200-graphs/graphs_torch.json",  # PyTorch's layers

@@ -396,10 +396,11 @@ def _long_context_turns(d: Data) -> tuple[str, ...]:
 LONG_CONTEXT_FULL = f"{EVIDENCE}/h200-long-context-full"
 
 
-def _full_first_failure(name: str) -> Callable[[Data], tuple[str, ...]]:
-    """The whole-GPU search of ``name``: the shortest length that ran out of memory above its longest."""
+def _full_first_failure(name: str, report: str = "checkpoint_no_offload.json") -> Callable[[Data], tuple[str, ...]]:
+    """The whole-GPU search of ``name`` in ``report``: the shortest length that ran out of memory above its
+    longest."""
     def numbers(d: Data) -> tuple[str, ...]:
-        r = d.load(f"{LONG_CONTEXT_FULL}/checkpoint_no_offload.json")["strategies"][name]
+        r = d.load(f"{LONG_CONTEXT_FULL}/{report}")["strategies"][name]
         return (f"{min(p['seq'] for p in r['probes'] if not p['ok'] and p['seq'] > r['longest']):,}",)
     return numbers
 
@@ -416,14 +417,19 @@ def _full_planner(d: Data) -> tuple[str, ...]:
 
 
 def _planner_search(d: Data) -> dict:
-    """The planner's whole-GPU search (its report, written after each probe)."""
-    return d.load(f"{LONG_CONTEXT_FULL}/planner_search.json")["strategies"]["planner"]
+    """The planner's whole-GPU search up to its longest length (capped there; its report)."""
+    return d.load(f"{LONG_CONTEXT_FULL}/planner_405504.json")["strategies"]["planner"]
 
 
 def _planner_failed_above(d: Data) -> tuple[str, ...]:
-    """The shortest length of the planner's whole-GPU search that ran out of memory above its longest."""
-    r = _planner_search(d)
-    return (f"{min(p['seq'] for p in r['probes'] if not p['ok'] and p['seq'] > r['longest']):,}",)
+    """The planner's and checkpoint + offload's whole-GPU steps that ran out of memory one resolution above
+    the planner's longest: the planner's search capped there, and checkpoint + offload's first prediction."""
+    longest, step = _planner_search(d)["longest"], d.load(f"{LONG_CONTEXT_FULL}/planner_405504.json")["config"]
+    above = d.load(f"{LONG_CONTEXT_FULL}/planner_409600.json")["strategies"]["planner"]["probes"]
+    co = d.load(f"{LONG_CONTEXT_FULL}/engine_checkpoint_offload.json")["strategies"]["checkpoint + offload"]
+    failed = {p["seq"] for p in above if not p["ok"]} & {p["seq"] for p in co["probes"] if not p["ok"]}
+    assert longest + step["resolution"] in failed, (longest, failed)
+    return (f"{longest + step['resolution']:,}",)
 
 
 def _planner_over_checkpoint(d: Data) -> tuple[str, ...]:
@@ -448,7 +454,8 @@ def _planner_model_miss(d: Data) -> tuple[str, ...]:
 
 def _planner_kept_miss(d: Data) -> tuple[str, ...]:
     """The planner's whole-GPU step with kept layers near the limit: its length, measured and predicted peaks."""
-    p = next(p for p in _planner_search(d)["probes"] if p["ok"] and "keep" in p["note"] and p["seq"] > 100_000)
+    probes = d.load(f"{LONG_CONTEXT_FULL}/planner_search.json")["strategies"]["planner"]["probes"]
+    p = next(p for p in probes if p["ok"] and "keep" in p["note"] and p["seq"] > 100_000)
     return f"{p['seq']:,}", f"{p['peak_bytes'] / 2**30:.2f}", f"{p['predicted_peak_bytes'] / 2**30:.2f}"
 
 
@@ -561,14 +568,25 @@ QUOTED = [
            "h200-long-context-full/checkpoint_no_offload.json: checkpointing's shortest failed length"),
     Quoted("docs/long_context.md", "strategies[no offload].longest` | {} |", _full_first_failure("no offload"),
            "h200-long-context-full/checkpoint_no_offload.json: no offload's shortest failed length"),
+    Quoted("docs/long_context.md", "strategies.engine.longest` | {} |",
+           _full_first_failure("engine", "engine_checkpoint_offload.json"),
+           "h200-long-context-full/engine_checkpoint_offload.json: the engine's shortest failed length"),
     Quoted("docs/long_context.md", "(the search stopped unfinished) | {} |", _planner_failed_above,
-           "h200-long-context-full/planner_search.json: the planner's shortest failed length"),
+           "h200-long-context-full: checkpoint + offload's step one resolution above the planner's longest"),
+    Quoted("docs/long_context.md", "strategies.planner.longest` | {} |", _planner_failed_above,
+           "h200-long-context-full/planner_409600.json: the planner's step one resolution above its longest"),
+    Quoted("docs/long_context.md", "its step at {} tokens ran out of memory: its longest", _planner_failed_above,
+           "h200-long-context-full/planner_409600.json: the planner's step one resolution above its longest"),
+    Quoted("docs/long_context.md", "its step at {} tokens ran out of memory too", _planner_failed_above,
+           "h200-long-context-full/engine_checkpoint_offload.json: checkpoint + offload's failed step"),
     Quoted("docs/long_context.md", "tokens, {} times checkpointing's", _planner_over_checkpoint,
            "h200-long-context-full: the planner's longest over checkpointing's, whole GPU"),
+    Quoted("docs/long_context.md", "`long-context-planner:strategies.planner.longest`, {} times as long",
+           _planner_over_checkpoint, "h200-long-context-full: the planner's longest over checkpointing's, whole GPU"),
     Quoted("docs/long_context.md", "rounds up to {} GiB", _planner_input_buffer,
-           "h200-long-context-full/planner_search.json: one layer's input at the longest, rounded as pinned"),
+           "h200-long-context-full/planner_405504.json: one layer's input at the longest, rounded as pinned"),
     Quoted("docs/long_context.md", "within {} MiB of the cost model's prediction", _planner_model_miss,
-           "h200-long-context-full/planner_search.json: measured against predicted peak at the longest"),
+           "h200-long-context-full/planner_405504.json: measured against predicted peak at the longest"),
     Quoted("docs/long_context.md", "at {} tokens a plan that keeps two layers peaked at {} GiB, predicted {} GiB",
            _planner_kept_miss, "h200-long-context-full/planner_search.json: the step with kept layers"),
     Quoted("docs/long_context.md", "it predicted {} tokens, and every length", lambda d: _full_planner(d)[:1],

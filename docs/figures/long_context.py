@@ -16,15 +16,20 @@ from offload_examples.instruments import plots
 RESULTS = json.loads((Path("..") / "evidence" / "h200-long-context" / "long_context.json").read_text())
 
 
-#: The searches on the whole GPU: checkpointing's and no offloading's, and the planner's.
+#: The searches on the whole GPU: every strategy's, the planner's in three (uncapped, and capped at the
+#: lengths around its longest).
 WHOLE_GPU = [json.loads((Path("..") / "evidence" / "h200-long-context-full" / name).read_text())
-             for name in ("checkpoint_no_offload.json", "planner_search.json")]
+             for name in ("checkpoint_no_offload.json", "engine_checkpoint_offload.json", "planner_search.json",
+                          "planner_405504.json", "planner_409600.json")]
 
 
 def whole_gpu() -> None:
     """Peak GPU memory against the length on the whole GPU: each step that ran, its prediction, the failures."""
-    report = {"memory_limit_bytes": WHOLE_GPU[-1]["memory_limit_bytes"],
-              "strategies": {name: r for each in WHOLE_GPU for name, r in each["strategies"].items()}}
+    strategies: dict = {}
+    for each in WHOLE_GPU:  # one strategy's steps from every search that ran it
+        for name, r in each["strategies"].items():
+            strategies.setdefault(name, {"probes": []})["probes"].extend(r["probes"])
+    report = {"memory_limit_bytes": WHOLE_GPU[-1]["memory_limit_bytes"], "strategies": strategies}
     _, ax = plt.subplots(figsize=(plots.COLUMN_INCHES, 3.6))
     plots.plot_peaks_by_length(report, ax=ax)
     _small_text(ax)
