@@ -583,6 +583,8 @@ QUOTED = [
            "h200-long-context-full: the planner's longest over checkpointing's, whole GPU"),
     Quoted("docs/long_context.md", "`long-context-planner:strategies.planner.longest`, {} times as long",
            _planner_over_checkpoint, "h200-long-context-full: the planner's longest over checkpointing's, whole GPU"),
+    Quoted("docs/index.md", "`long-context-planner:strategies.planner.longest` tokens, {} times as long",
+           _planner_over_checkpoint, "h200-long-context-full: the planner's longest over checkpointing's, whole GPU"),
     Quoted("docs/long_context.md", "rounds up to {} GiB", _planner_input_buffer,
            "h200-long-context-full/planner_405504.json: one layer's input at the longest, rounded as pinned"),
     Quoted("docs/long_context.md", "within {} MiB of the cost model's prediction", _planner_model_miss,
