@@ -608,6 +608,53 @@ def test_a_plan_that_runs_out_of_memory_is_retried_predicted_lower_and_none_runs
     assert "least memory" not in ran[-1].note  # a plan the model chose, not the last fallback
 
 
+@pytest.mark.parametrize("fails_above, limit", [(100, 128), (70, 128), (40, 64)])  # MiB
+def test_a_resumed_planner_search_learns_what_the_model_missed_from_the_report(monkeypatch, fails_above, limit):
+    """Settings the cost model fit under its budget that ran out of memory raise the shortfall the search plans
+    with; the report keeps the lowest such prediction of each length (``missed_peak_bytes``), so that a search
+    resumed after any probe tries the very settings the whole search tried (without it, more of them)."""
+    import contextlib
+    import dataclasses
+    from types import SimpleNamespace
+
+    from offload_examples.features.planner import LinkCost
+    from offload_examples.instruments.long_context import probes
+    from offload_examples.instruments.long_context import strategies as lc
+    from offload_examples.instruments.long_context.memory import OutOfMemoryError
+
+    mib = 2**20
+    costs = lc.CostModel(32, (8 * mib,) * 6, (2 * mib,) * 6, 0.2, 0, 0, LinkCost(1.0, 1.0, 1.0))
+    monkeypatch.setattr(search, "free_memory", lambda **_: None)
+    monkeypatch.setattr(probes, "free_memory", lambda **_: None)
+    monkeypatch.setattr(lc, "strategy_mode", lambda trainee, name: contextlib.nullcontext())
+
+    def searched(known=()) -> tuple[search.SearchResult, list[tuple[int, str]]]:
+        tried = []
+
+        def run_at(trainee, setting, seq, **_):
+            tried.append((seq, setting.note))
+            if setting.predicted_peak_bytes > fails_above * mib:  # the model falls short above this
+                raise OutOfMemoryError("out of memory")
+            return Probe(seq, True, setting.predicted_peak_bytes, 0, 1.0, setting.note)
+
+        monkeypatch.setattr(lc, "run_at", run_at)
+        found = probes.search_strategy(SimpleNamespace(layers=6), "planner", costs, limit * mib, 2**40,
+                                       lambda _: None, resolution=32, max_seq=1024, known=known)
+        return found, tried
+
+    whole, tried = searched()
+    assert any(p.missed_peak_bytes for p in whole.probes)
+    forgetful = 0
+    for cut in range(1, len(whole.probes)):
+        done = {p.seq for p in whole.probes[:cut]}
+        rest = [t for t in tried if t[0] not in done]
+        resumed, again = searched(whole.probes[:cut])
+        assert again == rest and resumed.longest == whole.longest, cut
+        forgot = [dataclasses.replace(p, missed_peak_bytes=None) for p in whole.probes[:cut]]
+        forgetful += searched(forgot)[1] != rest
+    assert forgetful  # what the report keeps makes the difference
+
+
 def _fake_steps(monkeypatch, speeds: dict[str, float], run_out: tuple[str, int] | None = None) -> list[str]:
     """Replace a strategy's step by a record of its name: ``speeds[name]`` tokens/s, and out of memory at
     the ``run_out`` strategy's given step (counting from 1). Returns the record."""

@@ -70,9 +70,11 @@ def search_strategy(trainee: lc.Trainee, name: str, costs: lc.CostModel | None, 
     the lowest predicted peak, and last with the one that holds least
     (:func:`~offload_examples.instruments.long_context.strategies.least_memory`).
     """
-    # what the model fell short by in the probes already run (a resumed search) holds for the ones to come
+    # what the model fell short by in the probes already run (a resumed search) holds for the ones to come: a
+    # step that peaked above its prediction, and a setting that ran out of memory although predicted to fit
     shortfall = max([p.peak_bytes - p.predicted_peak_bytes for p in known
-                     if p.ok and p.peak_bytes and p.predicted_peak_bytes] + [0])
+                     if p.ok and p.peak_bytes and p.predicted_peak_bytes]
+                    + [limit - p.missed_peak_bytes + 1 for p in known if p.missed_peak_bytes and limit] + [0])
     ran_with: dict[int, lc.Setting] = {}  # per length, the setting that ran there last
 
     def budget() -> int | None:
@@ -81,6 +83,7 @@ def search_strategy(trainee: lc.Trainee, name: str, costs: lc.CostModel | None, 
     def probe(seq: int) -> Probe:
         nonlocal shortfall
         tried: list[lc.Setting] = []
+        missed: list[int] = []  # the predicted peaks of the settings that fit the model but ran out of memory
 
         def new(setting: lc.Setting) -> bool:  # one that differs in what runs, not only in its prediction
             return all((setting.checkpointed, setting.offloaded, setting.caps) != (t.checkpointed, t.offloaded, t.caps)
@@ -96,22 +99,25 @@ def search_strategy(trainee: lc.Trainee, name: str, costs: lc.CostModel | None, 
                 last = tried[-1]
                 peak = last.predicted_peak_bytes
                 predicted = f", predicted peak {format_bytes(peak)}" if peak else ""
-                raise OutOfMemoryError(f"out of memory with {len(tried)} settings, the last {last.note}{predicted}")
+                raise _missed(OutOfMemoryError(f"out of memory with {len(tried)} settings, the last {last.note}"
+                                               f"{predicted}"), missed)
             tried.append(setting)
             predicted = setting.predicted_peak_bytes
             try:
                 ran = lc.run_at(trainee, setting, seq, limit_bytes=limit, host_budget_bytes=host,
                                 warmup=warmup, steps=steps)
-            except OutOfMemoryError:
+            except OutOfMemoryError as err:
                 if predicted and limit and setting.fits:  # it needed more than the limit: plan strictly below it now
                     shortfall = max(shortfall, limit - predicted + 1)
+                    missed.append(predicted)
                 if name not in ("engine", "planner"):  # one setting at every length: nothing else to try
-                    raise
+                    raise _missed(err, missed)
                 free_memory(pinned=True)
                 continue  # what the model now chooses, or a fallback
             if predicted and ran.peak_bytes:
                 shortfall = max(shortfall, ran.peak_bytes - predicted)
             ran_with[seq] = setting
+            ran.missed_peak_bytes = min(missed, default=None)
             return ran
 
     predict = None
@@ -131,6 +137,14 @@ def search_strategy(trainee: lc.Trainee, name: str, costs: lc.CostModel | None, 
                                  first=only or first_probe(resolution, max_seq), on_probe=on_probe, known=known)
     found.setting = ran_with.get(found.longest)
     return found
+
+
+def _missed(err: OutOfMemoryError, missed: list[int]) -> OutOfMemoryError:
+    """``err``, carrying the lowest peak the cost model predicted for a setting that fit its budget yet ran out
+    of memory (``None``: none did). The search keeps it on the failed probe, so that a search resumed from
+    its report plans under the limit less the same shortfall as the whole search does."""
+    err.missed_peak_bytes = min(missed, default=None)
+    return err
 
 
 def search_entry(found: SearchResult, done: bool = True) -> dict[str, Any]:
@@ -189,7 +203,8 @@ def _is_int(value: Any) -> bool:
 
 _PROBE_TYPES = {"seq": _is_int, "ok": lambda v: isinstance(v, bool), "note": lambda v: isinstance(v, str),
                 "why": lambda v: isinstance(v, str),
-                **{k: lambda v: v is None or _is_int(v) for k in ("peak_bytes", "host_bytes", "predicted_peak_bytes")},
+                **{k: lambda v: v is None or _is_int(v)
+                   for k in ("peak_bytes", "host_bytes", "predicted_peak_bytes", "missed_peak_bytes")},
                 "tokens_per_s": lambda v: v is None or isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 

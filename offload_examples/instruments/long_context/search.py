@@ -39,7 +39,9 @@ class Probe:
     strategy ran (the plan, the number of offloaded layers); ``predicted_peak_bytes``: the peak the cost
     model predicted for what ran, where a model predicts it (the engine, the planner, checkpointing with
     offloaded inputs); ``why``: why the search tried this length (``first``, ``predicted``, ``bisect``, ...),
-    so that a resumed search knows what its last probe was.
+    so that a resumed search knows what its last probe was; ``missed_peak_bytes``: the lowest peak the cost
+    model predicted for a setting that fit its budget at this length yet ran out of memory (the error's
+    ``missed_peak_bytes`` for a length that failed), so that a resumed search learns what the model missed.
     """
 
     seq: int
@@ -50,6 +52,7 @@ class Probe:
     note: str = ""
     predicted_peak_bytes: int | None = None
     why: str = ""
+    missed_peak_bytes: int | None = None
 
 
 @dataclass
@@ -187,7 +190,8 @@ def longest_sequence(run: Callable[[int], Probe], *, resolution: int, max_seq: i
         try:
             p = run(seq)
         except OutOfMemoryError as e:
-            p = Probe(seq, False, note=f"out of memory: {str(e).splitlines()[0][:120]}")
+            p = Probe(seq, False, note=f"out of memory: {str(e).splitlines()[0][:120]}",
+                      missed_peak_bytes=getattr(e, "missed_peak_bytes", None))
             free_memory(pinned=True)  # what the failed step held, its pinned copies included
         p.why = why
         record(p, why)
