@@ -168,7 +168,7 @@ def measure_cost_model(trainee: Trainee, seq: int, link: LinkCost, max_seq: int 
     ms, saved, _, static, sizes = _measure_step(trainee, seq)
     top = max(min(32 * seq, max_seq or 32 * seq), 2 * seq)
     while True:
-        lengths, rest = (max(top // 2, seq), top), []
+        lengths = (max(top // 2, seq), top)
         try:
             with strategy_mode(trainee, "checkpoint"):
                 steps = [_measure_step(trainee, n) for n in lengths]
