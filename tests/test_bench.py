@@ -587,6 +587,8 @@ def test_bench_short_gpu_run(tmp_path):
     assert ("whole_step_vs_te" in graphed) == (model["layer_kind"] == TE_LAYER), graphed
     assert min(graphed[f] for f in ("forward_ms", "backward_ms", "offload_forward_ms", "offload_backward_ms")) > 0
     assert graphed["moved_bytes"] > 0  # the graphs' engine copied out
+    # the waits are the bound's excess over the layers' compute, never negative
+    assert graphed["waits_ms"] >= 0 and graphed["over_reference_and_waits"] <= graphed["per_layer_overhead"] + 1e-9
     curves = results["models"][0]["memory_curves"]
     assert max(curves["no offload"]["allocated"]) > max(curves["engine k=2"]["allocated"])
     _check_outputs(results, tmp_path)
@@ -798,11 +800,14 @@ def test_the_graphed_column_reads_as_one_sentence_per_k():
           "per_layer_quartiles": [-0.009, -0.002], "per_layer_pairs": 40, "bound_ms": 155.7, "over_reference": -0.008,
           "whole_step_ms": 139.0, "te_whole_step_ms": 140.8, "whole_step_vs_te": -0.013,
           "whole_step_quartiles": [-0.02, -0.01], "forward_ms": 41.0, "backward_ms": 85.3,
-          "offload_forward_ms": 50.3, "offload_backward_ms": 84.5, "moved_bytes": 2.22e9}
+          "offload_forward_ms": 50.3, "offload_backward_ms": 84.5, "moved_bytes": 2.22e9, "waits_ms": 2.6,
+          "over_reference_and_waits": 0.004}
     note, = _graphed_note([ok, {"k": 4, "status": "failed", "reason": "RuntimeError: no"}])
     assert "k = 2: per-layer graphs 155.5 ms without offloading, 154.4 ms with, -0.6% (median of 40 pairs" in note
     assert "copy bound 155.7 ms, the step with offloading -0.8% against the larger of the two" in note
     assert ("the layers' graphs alone, forwards 50.3 ms with offloading against 41.0 ms, backwards 84.5 against "
             "85.3 ms, 2.22 GB copied each way" in note)
+    assert ("the schedule's waits for copies at the link's speed 2.6 ms, the step with offloading +0.4% against "
+            "the step without plus them" in note)
     assert "engine 139.0 ms, TE's offload 140.8 ms, engine / TE -1.3% (quartiles -2.0% .. -1.0%)" in note
     assert note.endswith("k = 4: failed (RuntimeError: no).")

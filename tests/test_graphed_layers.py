@@ -12,7 +12,9 @@ engine moved; a whole model's forward and backward captured as two graphs works 
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import warnings
 
 import pytest
 import torch
@@ -71,6 +73,162 @@ def test_per_layer_scope_starts_a_layers_copies_at_the_next_entry_and_keeps_the_
     assert moved_after_exit[0] == 0, "layer 0's copies started at its own exit"
     assert 0 < moved_after_exit[1] < moved_after_exit[2] == eager_bytes
     assert all(torch.equal(a, b) for a, b in zip(plain, _grads(layers, x)))
+
+
+def _between_step(layers, x, ctx, sync, resize_after=None, held=None) -> list[torch.Tensor]:
+    """A step with the capture flag forced on and ``copies_out="between"``: after each layer's forward, the
+    storages it planned are copied out here as the replay wrapper copies them (on a CPU the "capture" runs).
+    ``resize_after``: free ``held``'s storage after that layer and gather it again, with new values, before
+    the backward (as FSDP does)."""
+    from offload_examples.features.graphs import _bytes_at
+
+    for p in layers.parameters():
+        p.grad = None
+    x.grad = None
+    h = x
+    for i, layer in enumerate(layers):
+        with ctx:
+            h = layer(h) if held is None or i else h @ held["w"].t()
+        for rec, data in getattr(ctx, "_between", {}).get(i, ()):
+            data[:rec.nbytes].copy_(_bytes_at(rec.address, rec.nbytes, torch.device("cpu")))
+        h = sync(h)
+        if i == resize_after:
+            held["w"].untyped_storage().resize_(0)
+    if resize_after is not None:
+        held["w"].untyped_storage().resize_(held["w"].numel() * 4)
+        held["w"].data.copy_(held["v"] * 2)
+    h.float().square().mean().backward()
+    return [p.grad.clone() for p in layers.parameters() if p.grad is not None] + [x.grad.clone()]
+
+
+@pytest.mark.parametrize("resize", [False, True])
+def test_copies_between_the_graphs_keep_the_bits_and_the_counts_of_copies_inside(monkeypatch, resize):
+    """``copies_out="between"``: the capture plans each offloaded layer's copies (host buffers, addresses)
+    and queues none; copied after the layer's forward, as the replays do, the step's gradients are bitwise
+    those without offloading, and what the engine counts (bytes moved, resident bytes at every phase,
+    events) equals what it counts with the copies inside the graphs. A storage resized before its release
+    stays on the device, as in any step, and its host buffer goes back. The capture flag is forced on."""
+    def run(copies_out: str):
+        torch.manual_seed(0)
+        layers = build_linear_stack(6, 32)
+        x = torch.randn(8, 32, requires_grad=True)
+        held = {"v": torch.randn(32, 32)} if resize else None
+
+        def gathered() -> None:
+            if held is not None:
+                held["w"] = held["v"].clone()
+
+        gathered()
+        plain = _between_step(layers, x, contextlib.nullcontext(), lambda h: h, 0 if resize else None, held)
+        ctx, sync = get_cpu_offload_context(enabled=True, num_layers=2, model_layers=6,
+                                            retain_pinned_cpu_buffers=True)
+        gathered()
+        _step(layers, x, ctx, sync)  # eager: the host buffers a capture takes from the pool
+        ctx.set_capture_scope("layer")
+        if copies_out == "between":
+            ctx._copy_between_replays()
+        monkeypatch.setattr(type(ctx), "capturing", lambda self: True)
+        gathered()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            grads = _between_step(layers, x, ctx, sync, 0 if resize else None, held)
+        monkeypatch.undo()
+        assert all(torch.equal(a, b) for a, b in zip(plain, grads)), copies_out
+        said = " ".join(str(w.message) for w in caught)
+        return ctx, said
+
+    inside, said_inside = run("inside")
+    between, said_between = run("between")
+    assert [s.offloaded_bytes for s in between.stats] == [s.offloaded_bytes for s in inside.stats]
+    assert [s.candidate_bytes for s in between.stats] == [s.candidate_bytes for s in inside.stats]
+    # (a storage resized after its layer: inside the graphs it is seen at the next entry, between them at the
+    # release; it counts as resident until then)
+    assert resize or (between.resident_trace, between.pool.graph_bytes) == (inside.resident_trace,
+                                                                             inside.pool.graph_bytes)
+    assert between.resident_trace[-1] == inside.resident_trace[-1]
+    assert [e for e in between.events if e[0] == "release"] == [e for e in inside.events if e[0] == "release"]
+    assert ("resized" in said_between) == ("resized" in said_inside) == resize
+    copies, waits = between.copies_between()
+    assert waits == {4: [0], 5: [1]} and sorted(copies) == [0, 1]  # released before the forwards of N - k + i
+    assert sum(n for items in copies.values() for _, n, _ in items) == between.offloaded_bytes
+    assert between.copies_between() == ({}, {})  # taken once
+
+
+def test_between_layers_wait_for_a_release_on_the_device_before_its_graph_and_on_the_host_after(monkeypatch):
+    """The order the layers of ``copies_out="between"`` keep, with stand-ins for streams and events: a layer's
+    copies are queued after its graph's replay; the graph that releases it waits for them on the device, and
+    the host waits for them only once that graph is launched (so the backward is launched after them). In
+    another training state a layer runs without copies or waits; captured in another graph, it refuses."""
+    from offload_examples.features import graphs
+
+    log: list[tuple] = []
+
+    class Event:
+        def __init__(self, name: str):
+            self.name = name
+
+        def synchronize(self) -> None:
+            log.append(("host waits for", self.name))
+
+    class Stream:
+        def __init__(self, name: str):
+            self.name = name
+
+        def wait_stream(self, other: Stream) -> None:
+            log.append((self.name, "waits for", other.name))
+
+        def wait_event(self, event: Event) -> None:
+            log.append((self.name, "waits for", event.name))
+
+        def record_event(self) -> Event:
+            return Event(f"copies of layer {log[-1][1]}")
+
+    class Host:
+        def __init__(self, layer: int):
+            self.layer = layer
+
+        def copy_(self, src: object, non_blocking: bool) -> None:
+            assert non_blocking
+            log.append(("copy out", self.layer))
+
+    class Graphed(torch.nn.Module):
+        def __init__(self, i: int):
+            super().__init__()
+            self.i = i
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            log.append(("replay" if self.training else "eager", self.i))
+            return h
+
+    compute = Stream("compute")
+    capturing = {"now": False}
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing["now"])
+    between = object.__new__(graphs._CopiesBetween)
+    between.stream, between.device, between.graphed = Stream("d2h"), torch.device("cpu"), [Graphed(i) for i in range(4)]
+    between.copies, between.waits = {0: [(None, Host(0))], 1: [(None, Host(1))]}, {2: [0], 3: [1]}
+    between.ends, between.releasing = {}, []
+    layers = between.layers()
+    step = [("replay", 0), ("d2h", "waits for", "compute"), ("copy out", 0),
+            ("replay", 1), ("d2h", "waits for", "compute"), ("copy out", 1),
+            ("compute", "waits for", "copies of layer 0"), ("replay", 2), ("host waits for", "copies of layer 0"),
+            ("compute", "waits for", "copies of layer 1"), ("replay", 3), ("host waits for", "copies of layer 1")]
+    for _ in range(2):
+        log.clear()
+        h = torch.zeros(1)
+        for layer in layers:
+            h = layer(h)
+        assert log == step
+    log.clear()
+    for layer in layers:
+        layer.eval()
+        layer(h)
+    assert log == [("eager", i) for i in range(4)]
+    layers[0].train()
+    capturing["now"] = True
+    with pytest.raises(RuntimeError, match="cannot be captured in another graph"):
+        layers[0](h)
 
 
 def test_per_layer_scope_spreads_a_layers_copies_over_the_entries_before_its_release(monkeypatch):
@@ -504,59 +662,80 @@ def _fp8_options(recipe: str) -> dict:
     return {on: True, which: getattr(recipes, recipe)()}
 
 
+def _clear(layers: torch.nn.Module, x: torch.Tensor) -> None:
+    for p in layers.parameters():
+        p.grad = None
+    x.grad = None
+
+
 def _graphed_step(kind: str, backend: str, dropout: float, cuda, offload: bool, **graph_options):
+    """Eager steps on two inputs, then the per-layer graphs' replays on the same two: ``(eager, replays, the
+    graphs' pool, bytes offloaded)``. Before the replays the graphs' host buffers are filled with 0xFF (what
+    a copy that did not run would leave to reload), and before the second the copy stream is kept busy (a
+    replay that did not wait for the copies out would overwrite what they have still to read)."""
     torch.manual_seed(0)
     layers = _model(kind, dropout, cuda)
-    x = torch.randn(BATCH, SEQ, HIDDEN, device=cuda, dtype=torch.bfloat16, requires_grad=True)
+    xs = [torch.randn(BATCH, SEQ, HIDDEN, device=cuda, dtype=torch.bfloat16, requires_grad=True) for _ in range(2)]
+    x = xs[0]
     ctx, sync = get_cpu_offload_context(enabled=offload, num_layers=K, model_layers=N, retain_pinned_cpu_buffers=True)
     rng = torch.cuda.get_rng_state()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
+    eager = []
     with torch.cuda.stream(side):  # eager work before a capture runs on a side stream (PyTorch's rule)
-        eager = _run(list(layers), x, rng) + _grads(layers, x)
+        for xi in xs:
+            _clear(layers, xi)
+            eager.append(_run(list(layers), xi, rng) + _grads(layers, xi))
     torch.cuda.current_stream().wait_stream(side)
-    for p in layers.parameters():
-        p.grad = None
-    x.grad = None
+    _clear(layers, x)
     # the graphs' own pool: not the warm-up's blocks in the default one
     graphed, pool = pool_growth(lambda: make_graphed_layers(list(layers), x, ctx, sync, backend=backend,
                                                             **graph_options))
     if offload:  # the graphs' memory plan released what the copies moved, layer by layer
         assert all(("release", j) in ctx.events for j in range(K)), ctx.events
         assert ctx.pool.graph_bytes == ctx.offloaded_bytes > 0
+        for buf in ctx.pool._kept_for_graphs:
+            buf.data.fill_(255)
     replays = []
-    for _ in range(2):
-        for p in layers.parameters():
-            p.grad = None
-        x.grad = None
-        replays.append(_run(graphed, x, rng) + _grads(layers, x))
+    for i, xi in enumerate(xs):
+        _clear(layers, xi)
+        if offload and i:
+            with torch.cuda.stream(ctx.streams.d2h):
+                torch.cuda._sleep(100_000_000)
+        replays.append(_run(graphed, xi, rng) + _grads(layers, xi))
     torch.cuda.synchronize()
     return eager, replays, pool, (ctx.offloaded_bytes if offload else 0)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("copies_out", ["inside", "between"])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_gpu_per_layer_graphs_with_offloading_replay_bitwise_and_save_the_offloaded_bytes(cuda, dropout):
+def test_gpu_per_layer_graphs_with_offloading_replay_bitwise_and_save_the_offloaded_bytes(cuda, dropout, copies_out):
+    """The copies to the host inside the graphs, or between their replays: the same bits, the same saving."""
     with deterministic_kernels():
         eager, replays, pool_plain, _ = _graphed_step("torch", "torch", dropout, cuda, offload=False)
-        _, offloaded_replays, pool_offloaded, moved = _graphed_step("torch", "torch", dropout, cuda, offload=True)
-    for replay in replays + offloaded_replays:
-        assert all(torch.equal(a, b) for a, b in zip(eager, replay))
+        _, offloaded_replays, pool_offloaded, moved = _graphed_step("torch", "torch", dropout, cuda, offload=True,
+                                                                     copies_out=copies_out)
+    for reference, replay in zip(eager + eager, replays + offloaded_replays):
+        assert all(torch.equal(a, b) for a, b in zip(reference, replay))
     assert moved > 0
     assert pool_plain - pool_offloaded >= 0.9 * moved, (pool_plain, pool_offloaded, moved)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("copies_out", ["inside", "between"])
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_gpu_te_per_layer_graphs_with_offloading_replay_bitwise(te, cuda, recipe):
+def test_gpu_te_per_layer_graphs_with_offloading_replay_bitwise(te, cuda, recipe, copies_out):
     """Transformer Engine's layers and its make_graphed_callables, in bf16 and under the FP8 recipes:
     each replay with offloading equals the same replay of the graphs without it (under FP8 the scaling
     state moves on from replay to replay, alike in both), and in bf16 an eager step too."""
     with deterministic_kernels():
         eager, plain, pool_plain, _ = _graphed_step("te", "te", 0.0, cuda, offload=False, **_fp8_options(recipe))
-        _, replays, pool_offloaded, moved = _graphed_step("te", "te", 0.0, cuda, offload=True, **_fp8_options(recipe))
+        _, replays, pool_offloaded, moved = _graphed_step("te", "te", 0.0, cuda, offload=True, copies_out=copies_out,
+                                                          **_fp8_options(recipe))
     for reference, replay in zip(plain, replays):
         assert all(torch.equal(a, b) for a, b in zip(reference, replay))
     if recipe == "bf16":
-        assert all(torch.equal(a, b) for a, b in zip(eager, replays[0]))
+        for reference, replay in zip(eager, replays):
+            assert all(torch.equal(a, b) for a, b in zip(reference, replay))
     assert moved > 0 and pool_plain - pool_offloaded >= 0.9 * moved, (pool_plain, pool_offloaded, moved)

@@ -95,6 +95,8 @@ class EngineEntries:
         #: Whether the step now running began while the last one's graph was still waiting for its
         #: backward (a forward whose output is kept, or more entries than ``model_layers`` in one step).
         self.continued_without_backward = False
+        #: Per-layer graphs with ``copies_out="between"``: each layer's records to copy out between replays.
+        self._between: dict[int, list] = {}
 
     @property
     def open_entry(self) -> tuple[int, int] | None:
@@ -212,7 +214,9 @@ class EngineEntries:
                 offloading = self.schedule.is_offloaded(j) and self.schedule.offload_at_exit
                 self._move(j, LayerState.OFFLOADING if offloading else LayerState.SAVED, "its forward ended")
                 per_layer = self._per_layer_capture()
-                if offloading and per_layer and j + 1 < self.model_layers:
+                if offloading and per_layer and self.copies_out == "between":
+                    self._plan_copies_between(j)  # queued by the replays, between the graphs
+                elif offloading and per_layer and j + 1 < self.model_layers:
                     self._deferred_offloads.append((j, self._release_entry(j), False))  # later layers' graphs copy it
                 elif offloading:
                     self._start_offload(j)
@@ -235,6 +239,8 @@ class EngineEntries:
             if not self.schedule.strict and self.layer_state[i] not in ALLOWED_FROM[target]:
                 continue  # the step did not run as many layers as the schedule counts: warned at backward
             if action == "release":
+                if i in self._between:
+                    self._keep_resized_between(i)
                 waited = self._release(i, why) or waited
             else:
                 self._reload_layer(i, why)
@@ -286,6 +292,35 @@ class EngineEntries:
             if host is not None and rec.copy_piece(host, stop):
                 self._count_offloaded(layer, rec.nbytes, rec.views)
         self._copy_out(whole)
+
+    def _plan_copies_between(self, layer: int) -> None:
+        """Per-layer graphs, copies between them: give each storage of ``layer`` its host buffer and note where
+        its bytes lie in the graphs' memory, so that the replays can copy them out after the layer's forward
+        graph. The capture queues nothing: the storage counts as copied, and the release drops it as usual,
+        from the graph that releases it on (whose replay waits for the copies: :meth:`copies_between`)."""
+        planned = []
+        for rec in self._offload_candidates(layer):
+            if (host := self._or_warn(layer, rec.borrow_host)) is None:
+                continue
+            rec.host, rec.queued = host, rec.nbytes
+            # the buffer itself: the record gives it back once the captured backward is done with it, and the
+            # pool keeps it for the graphs, which reload from it in every replay
+            planned.append((rec, host.data))
+            self._count_offloaded(layer, rec.nbytes, rec.views)
+        self._between[layer] = planned
+        self.events.append(("offload_start", layer))
+
+    def _keep_resized_between(self, layer: int) -> None:
+        """Before the release of a layer whose copies the replays make: a storage resized since its layer ended
+        (``resize_``, as FSDP frees and gathers again) is not what the replays would copy; it stays on the
+        device, as one resized before its copy began does in any step, and its host buffer goes back."""
+        for rec, data in [(r, d) for r, d in self._between[layer] if r.device is not None and r.resized()]:
+            self._warn_once("resized", f"a storage saved in layer {layer} was resized before its copy to the host "
+                                       "began (resize_): it stays on the device")
+            rec.detach_host()
+            self._between[layer].remove((rec, data))
+            self.stats[layer].candidate_bytes -= rec.nbytes  # counted as planned: no longer offloaded, nor resident
+            self._count_offloaded(layer, rec.nbytes, rec.views, sign=-1)
 
     def _half_copied(self, layer: int) -> list:
         """The storage of ``layer`` copied out in part (at most one): still on the device and unresized,

@@ -105,13 +105,14 @@ class EngineReadouts:
             self._warn_once("no release", "no layer was released before the backward, so offloading saved no "
                             "GPU memory in this iteration (check num_layers and model_layers)")
 
-    def _count_offloaded(self, layer: int, nbytes: int, views: int) -> None:
-        """A storage of ``layer`` was copied out: it counts as offloaded, and as resident until released."""
+    def _count_offloaded(self, layer: int, nbytes: int, views: int, sign: int = 1) -> None:
+        """A storage of ``layer`` was copied out: it counts as offloaded, and as resident until released
+        (``sign=-1``: one counted so stays on the device after all, and the count is taken back)."""
         stats = self.stats[layer]
-        stats.offloaded_storages += 1
-        stats.offloaded_bytes += nbytes
-        stats.offloaded_tensors += views
-        self.resident_bytes += nbytes
+        stats.offloaded_storages += sign
+        stats.offloaded_bytes += sign * nbytes
+        stats.offloaded_tensors += sign * views
+        self.resident_bytes += sign * nbytes
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

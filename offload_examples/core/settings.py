@@ -62,6 +62,10 @@ class EngineSettings:
     #: What one CUDA graph capture holds: ``"step"`` (a whole step, or a whole model's forward and its
     #: backward) or ``"layer"`` (one layer's forward, or its backward); see :meth:`set_capture_scope`.
     capture_scope: str = "step"
+    #: Per-layer graphs: ``"inside"`` (a layer's copies to the host run in the later layers' graphs) or
+    #: ``"between"`` (the replays of
+    #: :func:`~offload_examples.features.graphs.make_graphed_layers` queue them between the graphs).
+    copies_out: str = "inside"
 
     def set_capture_scope(self, scope: str) -> None:
         """Say how captures cut the step: ``"layer"`` when each layer is captured in a graph of its own
@@ -82,7 +86,29 @@ class EngineSettings:
             raise ValueError("capture scope 'layer' needs the default schedule (all forwards, then the backward; "
                              "copies that start as a layer's forward ends): a layer's copies wait for the next "
                              "entry, which an interleaved or manual schedule may not bring before its release")
-        self.capture_scope = scope
+        self.capture_scope, self.copies_out = scope, "inside"
+
+    def _copy_between_replays(self) -> None:
+        """Per-layer captures from here on leave a layer's copies to the host out of the graphs: they only plan
+        them, for :meth:`copies_between`. For :func:`~offload_examples.features.graphs.make_graphed_layers`,
+        whose layers queue the copies after the layer's forward graph and wait for them before the graph that
+        releases it; graphs captured so and replayed without that would reload host buffers nobody filled."""
+        if self.capture_scope != "layer":
+            raise RuntimeError("copies between replays need the capture scope 'layer' (set_capture_scope)")
+        self.copies_out, self._between = "between", {}  # what an earlier capture planned is no one's to replay
+
+    def copies_between(self) -> tuple[dict[int, list[tuple[int, int, torch.Tensor]]], dict[int, list[int]]]:
+        """Per-layer graphs captured with ``copies_out="between"``, taken once after the capture: ``({layer:
+        [(device address, bytes, host buffer)]}, {entry: [layers]})``, the storages to copy to the host once a
+        layer's forward graph has been replayed, and the layers whose copies must have ended before each
+        entry's forward graph (the one that releases them: their memory is another layer's from there on)."""
+        planned, self._between = self._between, {}
+        waits: dict[int, list[int]] = {}
+        for layer in planned:
+            waits.setdefault(self._release_entry(layer), []).append(layer)
+        copies = {layer: [(rec.address, rec.nbytes, data) for rec, data in records]
+                  for layer, records in planned.items()}
+        return copies, waits
 
     def release_buffers(self) -> None:
         """Free the pinned host buffers that are not in use (those of captured graphs stay)."""

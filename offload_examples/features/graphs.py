@@ -174,16 +174,18 @@ def _capture_stream() -> torch.cuda.Stream:
 
 def make_graphed_layers(layers: Sequence[nn.Module], example: torch.Tensor, ctx: Any,
                         sync: Callable[[torch.Tensor], torch.Tensor], *, backend: str = "torch", warmup: int = 2,
-                        **graph_options: Any) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+                        copies_out: str = "between", **graph_options: Any
+                        ) -> list[Callable[[torch.Tensor], torch.Tensor]]:
     """Capture each layer's forward and backward in CUDA graphs of their own, with offloading.
 
     Large-scale training captures per layer this way (one forward and one backward graph per layer,
     all sharing one memory pool) and runs the rest of the step eagerly. Each layer is wrapped in
-    :class:`OffloadedLayer`, the context is told that captures hold single layers
-    (``ctx.set_capture_scope("layer")``), and the copies then run inside the graphs: a layer's copies
-    to the host spread over the forwards of the layers after it, up to its release, its copies back
-    over the backwards from its reload's start to its own. Replays run no engine code; the host
-    buffers are the ones the warm-up made, the same in every replay.
+    :class:`OffloadedLayer` and the context is told that captures hold single layers
+    (``ctx.set_capture_scope("layer")``). A layer's copies back run inside the backward graphs, spread
+    over those from its reload's start to its own. Its copies to the host run between the forward
+    replays (``copies_out``): the returned layers queue them on the copy stream once the layer's forward
+    graph has been replayed, and the graph that releases the layer waits for them. Replays run no engine
+    code; the host buffers are the ones the warm-up made, the same in every replay.
 
     Parameters
     ----------
@@ -203,6 +205,13 @@ def make_graphed_layers(layers: Sequence[nn.Module], example: torch.Tensor, ctx:
         capture cannot. The parameters' gradients are set to ``None`` afterwards, and the CUDA
         random state is put back as it was before them, so dropout in the graphs draws what an
         eager step would have drawn.
+    copies_out:
+        ``"between"`` (the default): the copies to the host are left out of the graphs and run as above,
+        back to back across the replays and the host's gaps between them; the host waits for a release's
+        copies once it has queued the graph that releases them, so the backward is launched after them.
+        ``"inside"``: they run inside the forward graphs, spread over those of the layers after it up to
+        its release; each graph ends only once its share has ended, so a share longer than the graph's
+        compute lengthens it. The returned layers are then the backend's graphed callables themselves.
     graph_options:
         Passed on to the backend's ``make_graphed_callables``. PyTorch's ``num_warmup_iters`` must
         stay 0: its warm-up runs one layer's forward and backward at a time, which is no step to the
@@ -211,7 +220,9 @@ def make_graphed_layers(layers: Sequence[nn.Module], example: torch.Tensor, ctx:
     Returns
     -------
     list
-        The graphed layers, to call in order in place of ``layers``.
+        The graphed layers, to call in order in place of ``layers`` (modules: ``train()``, ``eval()`` and
+        ``parameters()`` reach the graphed layer; in another training state than the captured one a layer
+        runs eagerly).
     """
     if not example.is_cuda:
         raise ValueError(f"CUDA graphs need a CUDA device: the example input is on {example.device}")
@@ -219,6 +230,8 @@ def make_graphed_layers(layers: Sequence[nn.Module], example: torch.Tensor, ctx:
         raise ValueError(f"warmup must be >= 1 (host buffers and workspaces are made eagerly), got {warmup}")
     if backend not in ("torch", "te"):
         raise ValueError(f"backend must be 'torch' or 'te', got {backend!r}")
+    if copies_out not in ("inside", "between"):
+        raise ValueError(f"copies_out must be 'inside' or 'between', got {copies_out!r}")
     if backend == "torch" and graph_options.get("num_warmup_iters", 0) != 0:
         raise ValueError("num_warmup_iters must be 0 with backend='torch': its warm-up runs one layer's forward and "
                          "backward at a time, which is no training step to the offload context (use warmup=)")
@@ -230,8 +243,13 @@ def make_graphed_layers(layers: Sequence[nn.Module], example: torch.Tensor, ctx:
         rng = torch.cuda.get_rng_state()
         if offloads:
             ctx.set_capture_scope("layer")
+            if copies_out == "between":
+                ctx._copy_between_replays()  # the layers returned below replay them
         try:
-            return _warm_up_and_capture(layers, example, ctx, sync, backend, warmup, rng, graph_options)
+            graphed = _warm_up_and_capture(layers, example, ctx, sync, backend, warmup, rng, graph_options)
+            if offloads and copies_out == "between":
+                return _CopiesBetween(graphed, ctx, example.device).layers()
+            return graphed
         finally:
             if offloads:  # eager steps and whole-step captures of this context go on as before
                 ctx.set_capture_scope("step")
@@ -270,3 +288,81 @@ def _warm_up_and_capture(layers: Sequence[nn.Module], example: torch.Tensor, ctx
 
         graphed = te.make_graphed_callables(wrapped, samples, **graph_options)
     return list(graphed)
+
+
+class _CopiesBetween:
+    """Per-layer graphs whose copies to the host run between their replays (``copies_out="between"``).
+
+    The capture left each offloaded layer's storages in the graphs' memory pool, where every replay of the
+    layer's forward graph writes them, and gave each a pinned host buffer (the engine's
+    :meth:`~offload_examples.core.entries.EngineEntries.copies_between`). After that graph's replay the copy
+    stream waits for the compute stream and copies them out; before the forward graph that releases the
+    layer, whose capture may have put other tensors in that memory, the compute stream waits for the copies.
+    Every later replay on the compute stream, the backward graphs' reloads from those buffers included,
+    comes after that wait; and the next step's replay of the layer's graph, which writes the storages again,
+    comes after this step's. Once that graph is queued the host waits for the copies as well, so that the
+    step's backward is launched after them, not while they run.
+    """
+
+    def __init__(self, graphed: Sequence[nn.Module], ctx: Any, device: torch.device):
+        copies, self.waits = ctx.copies_between()
+        self.stream, self.device = ctx.streams.d2h, device
+        self.graphed = list(graphed)
+        # the storages as the graphs hold them: views of their memory, which the graphs' pool owns
+        self.copies = {layer: [(_bytes_at(address, nbytes, device), host[:nbytes]) for address, nbytes, host in items]
+                       for layer, items in copies.items() if items}
+        self.ends: dict[int, torch.cuda.Event] = {}  # each layer's copies out, from its replay to its release
+        self.releasing: list[torch.cuda.Event] = []  # those the graph replayed last waited for
+
+    def layers(self) -> list[nn.Module]:
+        return [_LayerBetween(self, i, layer) for i, layer in enumerate(self.graphed)]
+
+    def before(self, i: int) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("layers graphed with copies_out='between' copy between their replays, so they cannot "
+                               "be captured in another graph (make them with copies_out='inside')")
+        compute = torch.cuda.current_stream(self.device)  # where the graphs replay, whatever device is current
+        # the copies out of the layers this graph releases: its replay may write their memory
+        self.releasing = [end for layer in self.waits.get(i, ()) if (end := self.ends.pop(layer, None)) is not None]
+        for end in self.releasing:
+            compute.wait_event(end)
+
+    def after(self, i: int) -> None:
+        if i in self.copies:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the graph just replayed wrote them
+            with torch.cuda.stream(self.stream), torch.no_grad():
+                for device, host in self.copies[i]:
+                    host.copy_(device, non_blocking=True)
+                self.ends[i] = self.stream.record_event()
+        # The host, too, waits for those copies once the graph that releases them is queued (the device has it and
+        # the graphs before it to run meanwhile). Launched while they ran, the step's backward slowed them by about
+        # a tenth (docs/evidence/h200-bench/copies_beside_a_step.json); launched after, it finds them done.
+        for end in self.releasing:
+            end.synchronize()
+        self.releasing = []
+
+
+class _LayerBetween(nn.Module):
+    """Layer ``i`` of per-layer graphs whose copies run between the replays: the graphed layer (a submodule,
+    so ``train()``, ``eval()`` and ``parameters()`` reach it), with the waits before its replay and the copies
+    after. In another training state than the captured one the layer runs its eager forward, no graph
+    replays, and nothing is copied or waited for."""
+
+    def __init__(self, copies: _CopiesBetween, i: int, layer: nn.Module):
+        super().__init__()
+        self.layer, self.i, self.captured_training = layer, i, layer.training
+        self.copies = copies  # shared by the layers (not a module)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.layer.training != self.captured_training:
+            return self.layer(*args, **kwargs)
+        self.copies.before(self.i)
+        out = self.layer(*args, **kwargs)
+        self.copies.after(self.i)
+        return out
+
+
+def _bytes_at(address: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over ``nbytes`` of device memory at ``address`` that it does not own (a graph pool's)."""
+    storage = torch._C._construct_storage_from_data_pointer(address, device, nbytes)
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)

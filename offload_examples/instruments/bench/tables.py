@@ -154,6 +154,9 @@ def _graphed_note(runs: Sequence[dict[str, Any]]) -> list[str]:
         if g["bound_ms"] is not None:
             text += (f"; copy bound {g['bound_ms']:.1f} ms, the step with offloading {g['over_reference']:+.1%} "
                      "against the larger of the two")
+        if g.get("waits_ms") is not None:
+            text += (f"; the schedule's waits for copies at the link's speed {g['waits_ms']:.1f} ms, the step with "
+                     f"offloading {g['over_reference_and_waits']:+.1%} against the step without plus them")
         if "offload_forward_ms" in g:  # each layer's graphs timed alone: which ones the copies lengthen
             text += (f"; the layers' graphs alone, forwards {g['offload_forward_ms']:.1f} ms with offloading "
                      f"against {g['forward_ms']:.1f} ms, backwards {g['offload_backward_ms']:.1f} against "
