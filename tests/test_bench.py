@@ -587,8 +587,9 @@ def test_bench_short_gpu_run(tmp_path):
     assert ("whole_step_vs_te" in graphed) == (model["layer_kind"] == TE_LAYER), graphed
     assert min(graphed[f] for f in ("forward_ms", "backward_ms", "offload_forward_ms", "offload_backward_ms")) > 0
     assert graphed["moved_bytes"] > 0  # the graphs' engine copied out
-    # the waits are the bound's excess over the layers' compute, never negative
-    assert graphed["waits_ms"] >= 0 and graphed["over_reference_and_waits"] <= graphed["per_layer_overhead"] + 1e-9
+    # the waits are the bound's excess over the layers' compute, never negative, and lower the ratio of medians
+    ratio = graphed["per_layer_offload_ms"] / graphed["per_layer_ms"] - 1
+    assert graphed["waits_ms"] >= 0 and graphed["over_reference_and_waits"] <= ratio + 1e-9, graphed
     curves = results["models"][0]["memory_curves"]
     assert max(curves["no offload"]["allocated"]) > max(curves["engine k=2"]["allocated"])
     _check_outputs(results, tmp_path)

@@ -146,19 +146,21 @@ def test_copies_between_the_graphs_keep_the_bits_and_the_counts_of_copies_inside
     assert resize or (between.resident_trace, between.pool.graph_bytes) == (inside.resident_trace,
                                                                              inside.pool.graph_bytes)
     assert between.resident_trace[-1] == inside.resident_trace[-1]
+    assert between.pool.graph_bytes == inside.pool.graph_bytes  # a resized storage's buffer is no graph's
     assert [e for e in between.events if e[0] == "release"] == [e for e in inside.events if e[0] == "release"]
     assert ("resized" in said_between) == ("resized" in said_inside) == resize
-    copies, waits = between.copies_between()
+    copies, waits = between._take_copies_between()
     assert waits == {4: [0], 5: [1]} and sorted(copies) == [0, 1]  # released before the forwards of N - k + i
     assert sum(n for items in copies.values() for _, n, _ in items) == between.offloaded_bytes
-    assert between.copies_between() == ({}, {})  # taken once
+    assert between._take_copies_between() == ({}, {})  # taken once
 
 
 def test_between_layers_wait_for_a_release_on_the_device_before_its_graph_and_on_the_host_after(monkeypatch):
     """The order the layers of ``copies_out="between"`` keep, with stand-ins for streams and events: a layer's
     copies are queued after its graph's replay; the graph that releases it waits for them on the device, and
-    the host waits for them only once that graph is launched (so the backward is launched after them). In
-    another training state a layer runs without copies or waits; captured in another graph, it refuses."""
+    the host waits for them only once that graph is launched (so the backward is launched after them). The
+    first replay of a step waits for copies a step cut short left unwaited for. In another training state a
+    layer runs without copies or waits; captured in another graph, it refuses."""
     from offload_examples.features import graphs
 
     log: list[tuple] = []
@@ -220,6 +222,12 @@ def test_between_layers_wait_for_a_release_on_the_device_before_its_graph_and_on
         for layer in layers:
             h = layer(h)
         assert log == step
+    log.clear()
+    h = layers[1](layers[0](h))  # a step that stops before the releases: the next one's first replay waits
+    log.clear()
+    for layer in layers:
+        h = layer(h)
+    assert log == [("compute", "waits for", "copies of layer 0"), ("compute", "waits for", "copies of layer 1")] + step
     log.clear()
     for layer in layers:
         layer.eval()

@@ -297,7 +297,7 @@ class EngineEntries:
         """Per-layer graphs, copies between them: give each storage of ``layer`` its host buffer and note where
         its bytes lie in the graphs' memory, so that the replays can copy them out after the layer's forward
         graph. The capture queues nothing: the storage counts as copied, and the release drops it as usual,
-        from the graph that releases it on (whose replay waits for the copies: :meth:`copies_between`)."""
+        from the graph that releases it on (whose replay waits for the copies: :meth:`_take_copies_between`)."""
         planned = []
         for rec in self._offload_candidates(layer):
             if (host := self._or_warn(layer, rec.borrow_host)) is None:
@@ -317,6 +317,7 @@ class EngineEntries:
         for rec, data in [(r, d) for r, d in self._between[layer] if r.device is not None and r.resized()]:
             self._warn_once("resized", f"a storage saved in layer {layer} was resized before its copy to the host "
                                        "began (resize_): it stays on the device")
+            rec.host.for_graph = False  # no graph copies into it or reloads from it: back to the free buffers
             rec.detach_host()
             self._between[layer].remove((rec, data))
             self.stats[layer].candidate_bytes -= rec.nbytes  # counted as planned: no longer offloaded, nor resident

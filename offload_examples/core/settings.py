@@ -87,17 +87,18 @@ class EngineSettings:
                              "copies that start as a layer's forward ends): a layer's copies wait for the next "
                              "entry, which an interleaved or manual schedule may not bring before its release")
         self.capture_scope, self.copies_out = scope, "inside"
+        self._between = {}  # copies planned by a capture and not taken (a failed one) are no one's to replay
 
     def _copy_between_replays(self) -> None:
         """Per-layer captures from here on leave a layer's copies to the host out of the graphs: they only plan
-        them, for :meth:`copies_between`. For :func:`~offload_examples.features.graphs.make_graphed_layers`,
+        them, for :meth:`_take_copies_between`. For :func:`~offload_examples.features.graphs.make_graphed_layers`,
         whose layers queue the copies after the layer's forward graph and wait for them before the graph that
         releases it; graphs captured so and replayed without that would reload host buffers nobody filled."""
         if self.capture_scope != "layer":
             raise RuntimeError("copies between replays need the capture scope 'layer' (set_capture_scope)")
-        self.copies_out, self._between = "between", {}  # what an earlier capture planned is no one's to replay
+        self.copies_out = "between"
 
-    def copies_between(self) -> tuple[dict[int, list[tuple[int, int, torch.Tensor]]], dict[int, list[int]]]:
+    def _take_copies_between(self) -> tuple[dict[int, list[tuple[int, int, torch.Tensor]]], dict[int, list[int]]]:
         """Per-layer graphs captured with ``copies_out="between"``, taken once after the capture: ``({layer:
         [(device address, bytes, host buffer)]}, {entry: [layers]})``, the storages to copy to the host once a
         layer's forward graph has been replayed, and the layers whose copies must have ended before each

@@ -28,6 +28,8 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
+from ..core.entries import _disabled_for_dynamo
+
 __all__ = ["CapturedStep", "OffloadedLayer", "capture_step", "make_graphed_layers"]
 
 
@@ -295,17 +297,18 @@ class _CopiesBetween:
 
     The capture left each offloaded layer's storages in the graphs' memory pool, where every replay of the
     layer's forward graph writes them, and gave each a pinned host buffer (the engine's
-    :meth:`~offload_examples.core.entries.EngineEntries.copies_between`). After that graph's replay the copy
+    :meth:`~offload_examples.core.settings.EngineSettings._take_copies_between`). After that graph's replay the copy
     stream waits for the compute stream and copies them out; before the forward graph that releases the
     layer, whose capture may have put other tensors in that memory, the compute stream waits for the copies.
     Every later replay on the compute stream, the backward graphs' reloads from those buffers included,
     comes after that wait; and the next step's replay of the layer's graph, which writes the storages again,
-    comes after this step's. Once that graph is queued the host waits for the copies as well, so that the
-    step's backward is launched after them, not while they run.
+    comes after this step's (a step that stopped before the release leaves its copies to the next step's first
+    replay to wait for). Once that graph is queued the host waits for the copies as well, so that the step's
+    backward is launched after them, not while they run.
     """
 
     def __init__(self, graphed: Sequence[nn.Module], ctx: Any, device: torch.device):
-        copies, self.waits = ctx.copies_between()
+        copies, self.waits = ctx._take_copies_between()
         self.stream, self.device = ctx.streams.d2h, device
         self.graphed = list(graphed)
         # the storages as the graphs hold them: views of their memory, which the graphs' pool owns
@@ -317,16 +320,22 @@ class _CopiesBetween:
     def layers(self) -> list[nn.Module]:
         return [_LayerBetween(self, i, layer) for i, layer in enumerate(self.graphed)]
 
+    @_disabled_for_dynamo
     def before(self, i: int) -> None:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("layers graphed with copies_out='between' copy between their replays, so they cannot "
                                "be captured in another graph (make them with copies_out='inside')")
         compute = torch.cuda.current_stream(self.device)  # where the graphs replay, whatever device is current
+        if i == 0:  # copies still unwaited for (a step that stopped before their release): their storages are
+            for end in self.ends.values():  # the ones the replays from here on write
+                compute.wait_event(end)
+            self.ends.clear()
         # the copies out of the layers this graph releases: its replay may write their memory
         self.releasing = [end for layer in self.waits.get(i, ()) if (end := self.ends.pop(layer, None)) is not None]
         for end in self.releasing:
             compute.wait_event(end)
 
+    @_disabled_for_dynamo
     def after(self, i: int) -> None:
         if i in self.copies:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the graph just replayed wrote them

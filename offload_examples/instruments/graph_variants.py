@@ -25,8 +25,8 @@ from offload_examples.instruments.report import cpu_timing_note, format_bytes, f
 
 __all__ = ["OFFLOAD", "TE_OFFLOAD", "TE_VARIANTS", "VARIANTS", "capture_training_step", "check_replays", "format_report",
            "graph_safe_checks", "graphed_copy_bound_ms", "graphed_copy_waits_ms", "graphed_layer_ms", "memory_row",
-           "over_the_larger", "per_layer_step", "pool_growth", "replaying", "summarize_checks", "te_graph_context", "te_offload_variants",
-           "time_in_turns", "warm_capture_stream"]
+           "over_the_larger", "per_layer_step", "pool_growth", "replaying", "summarize_checks", "te_graph_context",
+           "te_offload_variants", "time_in_turns", "warm_capture_stream"]
 
 #: What an offloading variant's name ends with; the rest of the name is its variant without offloading.
 OFFLOAD = " + offload"
@@ -219,9 +219,11 @@ def graphed_copy_waits_ms(engine: Any, forward_ms: Sequence[float], backward_ms:
                           link: Mapping[str, float]) -> float:
     """How long the schedule of what ``engine`` moved in its last step keeps the graphs' compute waiting for
     copies at the link's speed: :func:`graphed_copy_bound_ms` less the layers' compute. Added to the graphed
-    step without offloading it bounds the step with offloading, the loss and the host's gaps between the
-    replays included, which the layers' times leave out and a step runs either way."""
-    return graphed_copy_bound_ms(engine, forward_ms, backward_ms, link) - sum(forward_ms) - sum(backward_ms)
+    step without offloading it estimates the step with offloading with what a step runs besides the layers
+    (the loss, the host's gaps between the replays), which the layers' times leave out; an estimate, not a
+    bound: the copies may also run in those gaps."""
+    waits = graphed_copy_bound_ms(engine, forward_ms, backward_ms, link) - sum(forward_ms) - sum(backward_ms)
+    return max(0.0, waits)  # the sums' rounding, where nothing waits
 
 
 def over_the_larger(step_ms: float, reference_ms: float, bound_ms: float | None) -> float:
