@@ -354,8 +354,9 @@ class _CopiesBetween:
 class _LayerBetween(nn.Module):
     """Layer ``i`` of per-layer graphs whose copies run between the replays: the graphed layer (a submodule,
     so ``train()``, ``eval()`` and ``parameters()`` reach it), with the waits before its replay and the copies
-    after. In another training state than the captured one the layer runs its eager forward, no graph
-    replays, and nothing is copied or waited for."""
+    after. In another training state than the captured one the layer runs its eager forward (through the
+    offload context, which offloads as in any eager step), no graph replays, and none of these copies or
+    waits happen."""
 
     def __init__(self, copies: _CopiesBetween, i: int, layer: nn.Module):
         super().__init__()
