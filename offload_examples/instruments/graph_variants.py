@@ -215,15 +215,13 @@ def graphed_copy_bound_ms(engine: Any, forward_ms: Sequence[float], backward_ms:
     return engine.schedule.predict_step_ms(forward_ms, backward_ms, moved, link["d2h"], link["h2d"])
 
 
-def graphed_copy_waits_ms(engine: Any, forward_ms: Sequence[float], backward_ms: Sequence[float],
-                          link: Mapping[str, float]) -> float:
-    """How long the schedule of what ``engine`` moved in its last step keeps the graphs' compute waiting for
-    copies at the link's speed: :func:`graphed_copy_bound_ms` less the layers' compute. Added to the graphed
+def graphed_copy_waits_ms(bound_ms: float, forward_ms: Sequence[float], backward_ms: Sequence[float]) -> float:
+    """How long a schedule keeps the graphs' compute waiting for copies at the link's speed: its copy bound
+    (:func:`graphed_copy_bound_ms` over the same layers' times) less the layers' compute. Added to the graphed
     step without offloading it estimates the step with offloading with what a step runs besides the layers
     (the loss, the host's gaps between the replays), which the layers' times leave out; an estimate, not a
     bound: the copies may also run in those gaps."""
-    waits = graphed_copy_bound_ms(engine, forward_ms, backward_ms, link) - sum(forward_ms) - sum(backward_ms)
-    return max(0.0, waits)  # the sums' rounding, where nothing waits
+    return max(0.0, bound_ms - sum(forward_ms) - sum(backward_ms))  # the sums' rounding, where nothing waits
 
 
 def over_the_larger(step_ms: float, reference_ms: float, bound_ms: float | None) -> float:

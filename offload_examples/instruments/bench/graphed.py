@@ -67,7 +67,7 @@ def _per_layer(model: nn.ModuleList, x: torch.Tensor, k: int, device: torch.devi
     a = _alternating(model, x, lambda h: _through(plain, h), lambda h: _through(graphed, h), "per-layer graphs",
                      steps)
     bound = graphed_copy_bound_ms(engine, forward_ms, backward_ms, link) if link else None
-    waits = graphed_copy_waits_ms(engine, forward_ms, backward_ms, link) if link else None
+    waits = None if bound is None else graphed_copy_waits_ms(bound, forward_ms, backward_ms)
     # which graphs the copies lengthen: each layer's graphs timed in a step, with the engine's copies or their waits
     offload_forward_ms, offload_backward_ms = graphed_layer_ms(graphed, x)
     return {"per_layer_overhead": a["ratio"], "per_layer_quartiles": a["quartiles"], "per_layer_pairs": a["pairs"],
