@@ -806,8 +806,8 @@ def test_the_graphed_column_reads_as_one_sentence_per_k():
     note, = _graphed_note([ok, {"k": 4, "status": "failed", "reason": "RuntimeError: no"}])
     assert "k = 2: per-layer graphs 155.5 ms without offloading, 154.4 ms with, -0.6% (median of 40 pairs" in note
     assert "copy bound 155.7 ms, the step with offloading -0.8% against the larger of the two" in note
-    assert ("the layers' graphs alone, forwards 50.3 ms with offloading against 41.0 ms, backwards 84.5 against "
-            "85.3 ms, 2.22 GB copied each way" in note)
+    assert ("the layers' graphs in steps taken in turns, forwards 50.3 ms with offloading against 41.0 ms, "
+            "backwards 84.5 against 85.3 ms, 2.22 GB copied each way" in note)
     assert ("the schedule's waits for copies at the link's speed 2.6 ms, the step with offloading +0.4% against "
             "the step without plus them" in note)
     assert "engine 139.0 ms, TE's offload 140.8 ms, engine / TE -1.3% (quartiles -2.0% .. -1.0%)" in note

@@ -159,36 +159,54 @@ def time_in_turns(runs: Mapping[str, Run], rows: dict[str, dict[str, Any]], warm
     return rounds
 
 
-def graphed_layer_ms(graphed: Sequence[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor, steps: int = 3
-                     ) -> tuple[list[float], list[float]]:
-    """Each layer's forward and backward ms in training steps through per-layer graphs (medians of ``steps``).
+def graphed_layer_ms(graphed: Mapping[str, Sequence[Callable[[torch.Tensor], torch.Tensor]]], x: torch.Tensor,
+                     steps: int = 10) -> dict[str, tuple[list[float], list[float]]]:
+    """Each layer's forward and backward ms in training steps through per-layer graphs (medians of ``steps``),
+    for each set of layers in ``graphed``, the sets taking turns step by step.
 
-    CUDA events go between the layers' forward replays, and into hooks on their outputs, which run as each
-    backward graph before has ended: a graph replays its kernels back to back, so each span is the
-    layer's GPU time. The last layer's backward includes the loss's.
+    Each step is prepared and timed as :func:`~offload_examples.instruments.measure.measure_round_robin`
+    times the steps it compares (gradients set to ``None``, the device idle, an event before the first
+    replay is launched), so that the spans add up to such a step, in the same state of the device: the
+    copy bound made from them (:func:`graphed_copy_bound_ms`) then counts what the step does besides the
+    layers, and its compute runs at the speed of the steps it is compared with. CUDA events go between the
+    layers' forward replays, and into hooks on their outputs, which run as each backward graph before has
+    ended: a graph replays its kernels back to back, so each span is the layer's GPU time, and any gap
+    before its replay. The first layer's forward includes the step's start, the last layer's backward the
+    loss's.
     """
-    n, times = len(graphed), []
-    for _ in range(steps):
-        marks, back = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)], {}
-        x.grad = None
-        marks[0].record()
-        h = x
-        for i, layer in enumerate(graphed):
-            h = layer(h)
-            marks[i + 1].record()
-            if i < n - 1:
-                h.register_hook(lambda g, i=i: back.setdefault(i, torch.cuda.Event(enable_timing=True)).record())
-        start = torch.cuda.Event(enable_timing=True)
-        start.record()
-        h.float().square().mean().backward()
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        end.synchronize()
-        ends = [start] + [back[i] for i in range(n - 2, -1, -1)] + [end]  # layers n-1 .. 0
-        times.append(([marks[i].elapsed_time(marks[i + 1]) for i in range(n)],
-                      [ends[j].elapsed_time(ends[j + 1]) for j in range(n)][::-1]))
-    return [statistics.median(t[0][i] for t in times) for i in range(n)], \
-        [statistics.median(t[1][i] for t in times) for i in range(n)]
+    times: dict[str, list[tuple[list[float], list[float]]]] = {name: [] for name in graphed}
+    for r in range(steps):
+        for name in (list(graphed) if r % 2 == 0 else list(graphed)[::-1]):
+            times[name].append(_layer_spans(graphed[name], x))
+    return {name: ([statistics.median(t[0][i] for t in ts) for i in range(len(graphed[name]))],
+                   [statistics.median(t[1][i] for t in ts) for i in range(len(graphed[name]))])
+            for name, ts in times.items()}
+
+
+def _layer_spans(graphed: Sequence[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor
+                 ) -> tuple[list[float], list[float]]:
+    """One training step through ``graphed``: each layer's forward and backward span (ms)."""
+    n = len(graphed)
+    for layer in graphed:  # as measure_round_robin clears them before each step it times
+        if isinstance(layer, torch.nn.Module):
+            layer.zero_grad(set_to_none=True)
+    x.grad = None
+    torch.cuda.synchronize()
+    marks, back = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)], {}
+    marks[0].record()
+    h = x
+    for i, layer in enumerate(graphed):
+        h = layer(h)
+        marks[i + 1].record()
+        if i < n - 1:
+            h.register_hook(lambda g, i=i: back.setdefault(i, torch.cuda.Event(enable_timing=True)).record())
+    h.float().square().mean().backward()
+    end = torch.cuda.Event(enable_timing=True)
+    end.record()
+    end.synchronize()
+    ends = [marks[n]] + [back[i] for i in range(n - 2, -1, -1)] + [end]  # layers n-1 .. 0
+    return ([marks[i].elapsed_time(marks[i + 1]) for i in range(n)],
+            [ends[j].elapsed_time(ends[j + 1]) for j in range(n)][::-1])
 
 
 def capture_training_step(model: torch.nn.ModuleList, x: torch.Tensor, ctx: Any = None, sync: Callable | None = None,
@@ -217,10 +235,9 @@ def graphed_copy_bound_ms(engine: Any, forward_ms: Sequence[float], backward_ms:
 
 def graphed_copy_waits_ms(bound_ms: float, forward_ms: Sequence[float], backward_ms: Sequence[float]) -> float:
     """How long a schedule keeps the graphs' compute waiting for copies at the link's speed: its copy bound
-    (:func:`graphed_copy_bound_ms` over the same layers' times) less the layers' compute. Added to the graphed
-    step without offloading it estimates the step with offloading with what a step runs besides the layers
-    (the loss, the host's gaps between the replays), which the layers' times leave out; an estimate, not a
-    bound: the copies may also run in those gaps."""
+    (:func:`graphed_copy_bound_ms` over the same layers' spans) less the spans. Added to the graphed step
+    without offloading as it was timed, it gives the bound again on that step: the spans
+    (:func:`graphed_layer_ms`) add up to a step like it, measured apart from it."""
     return max(0.0, bound_ms - sum(forward_ms) - sum(backward_ms))  # the sums' rounding, where nothing waits
 
 

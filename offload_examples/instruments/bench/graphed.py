@@ -60,16 +60,18 @@ def _per_layer(model: nn.ModuleList, x: torch.Tensor, k: int, device: torch.devi
                link: dict | None) -> dict[str, Any]:
     backend = "te" if kind == TE_LAYER else "torch"
     plain = make_graphed_layers(list(model), x, *get_cpu_offload_context(enabled=False), backend=backend)
-    forward_ms, backward_ms = graphed_layer_ms(plain, x)  # the compute the copies hide behind
     engine, sync = get_cpu_offload_context(enabled=True, num_layers=k, model_layers=len(model), device=device,
                                            retain_pinned_cpu_buffers=True)  # the graphs keep the warm-up's buffers
     graphed = make_graphed_layers(list(model), x, engine, sync, backend=backend)
     a = _alternating(model, x, lambda h: _through(plain, h), lambda h: _through(graphed, h), "per-layer graphs",
                      steps)
+    # Each layer's graphs in a step, with and without the engine, in turns, right after the timed steps and in
+    # steps like theirs: the compute the copies hide behind (the bound's) runs at the speed it ran at there, and
+    # the spans with offloading show which graphs the copies or their waits lengthen.
+    spans = graphed_layer_ms({"plain": plain, "offload": graphed}, x)
+    (forward_ms, backward_ms), (offload_forward_ms, offload_backward_ms) = spans["plain"], spans["offload"]
     bound = graphed_copy_bound_ms(engine, forward_ms, backward_ms, link) if link else None
     waits = None if bound is None else graphed_copy_waits_ms(bound, forward_ms, backward_ms)
-    # which graphs the copies lengthen: each layer's graphs timed in a step, with the engine's copies or their waits
-    offload_forward_ms, offload_backward_ms = graphed_layer_ms(graphed, x)
     return {"per_layer_overhead": a["ratio"], "per_layer_quartiles": a["quartiles"], "per_layer_pairs": a["pairs"],
             "per_layer_ms": a["reference_ms"], "per_layer_offload_ms": a["candidate_ms"], "bound_ms": bound,
             "over_reference": over_the_larger(a["candidate_ms"], a["reference_ms"], bound), "waits_ms": waits,

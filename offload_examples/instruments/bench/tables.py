@@ -157,10 +157,10 @@ def _graphed_note(runs: Sequence[dict[str, Any]]) -> list[str]:
         if g.get("waits_ms") is not None:
             text += (f"; the schedule's waits for copies at the link's speed {g['waits_ms']:.1f} ms, the step with "
                      f"offloading {g['over_reference_and_waits']:+.1%} against the step without plus them")
-        if "offload_forward_ms" in g:  # each layer's graphs timed alone: which ones the copies lengthen
-            text += (f"; the layers' graphs alone, forwards {g['offload_forward_ms']:.1f} ms with offloading "
-                     f"against {g['forward_ms']:.1f} ms, backwards {g['offload_backward_ms']:.1f} against "
-                     f"{g['backward_ms']:.1f} ms, {g['moved_bytes'] / 1e9:.2f} GB copied each way")
+        if "offload_forward_ms" in g:  # each layer's graphs timed in steps: which ones the copies lengthen
+            text += (f"; the layers' graphs in steps taken in turns, forwards {g['offload_forward_ms']:.1f} ms "
+                     f"with offloading against {g['forward_ms']:.1f} ms, backwards {g['offload_backward_ms']:.1f} "
+                     f"against {g['backward_ms']:.1f} ms, {g['moved_bytes'] / 1e9:.2f} GB copied each way")
         if "whole_step_vs_te" in g:
             w1, w3 = g["whole_step_quartiles"]
             text += (f"; the whole step captured, engine {g['whole_step_ms']:.1f} ms, TE's offload "
