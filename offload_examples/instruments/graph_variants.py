@@ -159,10 +159,10 @@ def time_in_turns(runs: Mapping[str, Run], rows: dict[str, dict[str, Any]], warm
     return rounds
 
 
-def graphed_layer_ms(graphed: Mapping[str, Sequence[Callable[[torch.Tensor], torch.Tensor]]], x: torch.Tensor,
-                     steps: int = 10) -> dict[str, tuple[list[float], list[float]]]:
+def graphed_layer_ms(graphed: Mapping[str, Sequence[Callable[[torch.Tensor], torch.Tensor]]], model: torch.nn.Module,
+                     x: torch.Tensor, steps: int = 10) -> dict[str, tuple[list[float], list[float]]]:
     """Each layer's forward and backward ms in training steps through per-layer graphs (medians of ``steps``),
-    for each set of layers in ``graphed``, the sets taking turns step by step.
+    for each set of layers in ``graphed`` (graphs of ``model``'s layers), the sets taking turns step by step.
 
     Each step is prepared and timed as :func:`~offload_examples.instruments.measure.measure_round_robin`
     times the steps it compares (gradients set to ``None``, the device idle, an event before the first
@@ -177,19 +177,17 @@ def graphed_layer_ms(graphed: Mapping[str, Sequence[Callable[[torch.Tensor], tor
     times: dict[str, list[tuple[list[float], list[float]]]] = {name: [] for name in graphed}
     for r in range(steps):
         for name in (list(graphed) if r % 2 == 0 else list(graphed)[::-1]):
-            times[name].append(_layer_spans(graphed[name], x))
+            times[name].append(_layer_spans(graphed[name], model, x))
     return {name: ([statistics.median(t[0][i] for t in ts) for i in range(len(graphed[name]))],
                    [statistics.median(t[1][i] for t in ts) for i in range(len(graphed[name]))])
             for name, ts in times.items()}
 
 
-def _layer_spans(graphed: Sequence[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor
-                 ) -> tuple[list[float], list[float]]:
+def _layer_spans(graphed: Sequence[Callable[[torch.Tensor], torch.Tensor]], model: torch.nn.Module,
+                 x: torch.Tensor) -> tuple[list[float], list[float]]:
     """One training step through ``graphed``: each layer's forward and backward span (ms)."""
     n = len(graphed)
-    for layer in graphed:  # as measure_round_robin clears them before each step it times
-        if isinstance(layer, torch.nn.Module):
-            layer.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)  # as measure_round_robin clears them before each step it times
     x.grad = None
     torch.cuda.synchronize()
     marks, back = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)], {}

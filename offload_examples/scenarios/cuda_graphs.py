@@ -228,7 +228,7 @@ def _per_layer(report, config, model, inputs, refs, runs: dict[str, Run], say) -
         checks[name] = check_replays(refs, inputs, partial(per_layer_step, model, graphed))
         runs[name] = (model, x, partial(training_step, graphed, x))
         if ctx is not offload[0]:  # the layers' compute, which the copies hide behind
-            layer_ms = graphed_layer_ms({name: graphed}, x)[name]
+            layer_ms = graphed_layer_ms({name: graphed}, model, x)[name]
     theory = offload[0].theoretical().saving  # what the engine did during the capture: every replay repeats it
     report["link_gb_per_s"] = link_bandwidth()
     report["copy_bound_ms"] = graphed_copy_bound_ms(offload[0], *layer_ms, report["link_gb_per_s"])

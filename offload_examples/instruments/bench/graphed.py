@@ -68,7 +68,7 @@ def _per_layer(model: nn.ModuleList, x: torch.Tensor, k: int, device: torch.devi
     # Each layer's graphs in a step, with and without the engine, in turns, right after the timed steps and in
     # steps like theirs: the compute the copies hide behind (the bound's) runs at the speed it ran at there, and
     # the spans with offloading show which graphs the copies or their waits lengthen.
-    spans = graphed_layer_ms({"plain": plain, "offload": graphed}, x)
+    spans = graphed_layer_ms({"plain": plain, "offload": graphed}, model, x)
     (forward_ms, backward_ms), (offload_forward_ms, offload_backward_ms) = spans["plain"], spans["offload"]
     bound = graphed_copy_bound_ms(engine, forward_ms, backward_ms, link) if link else None
     waits = None if bound is None else graphed_copy_waits_ms(bound, forward_ms, backward_ms)
