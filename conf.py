@@ -47,8 +47,10 @@ stored_sources = {
     "model-A": "docs/evidence/h200-bench/bench.json#models[A]",  # Transformer Engine's layers
     "model-A-torch": "docs/evidence/h200-bench/bench.json#models[A-torch]",  # model A's shapes, PyTorch's layers
     "graphed-a2": "docs/evidence/h200-bench/graphed_a_k2.json#models[A]",  # model A's graphed column at k = 2
-    # the same column with the copies out between the graphs' replays (the report the command printed)
-    "graphed-between": "docs/evidence/h200-bench/graphed_a_k2_between.log",
+    # the same column with the copies out between the graphs' replays, the bound from layer spans taken in turns
+    "graphed-between": "docs/evidence/h200-bench/graphed_between_a_k2.json#models[A]",
+    # GPU timelines of steps through those graphs with and without the engine, and the host's waits compared
+    "between-step": "docs/evidence/h200-bench/between_a_step.json",
     # the copies out of those graphs beside a step, the backward launched at once or after the host slept
     "copies-beside": "docs/evidence/h200-bench/copies_beside_a_step.json",
     # output and gradients of one step against a plain step, bit for bit: four layers of models A and A-torch
