@@ -573,7 +573,7 @@ def test_bench_short_gpu_run(tmp_path):
             "not installed" in r["reason"] or r["reason"] == bench.SAVE_ON_CPU_ON_TE
             or (strategy not in ours and r["reason"] == model["left_out"].get(strategy)))), r
     # save_on_cpu is never run on TE's layers; on PyTorch's it runs, or is left out (above) after it lost the
-    # device: it gives saved views back contiguous, which attention's memory-efficient backward reads past
+    # device: it gives saved views back contiguous, which attention's memory-efficient backward likely reads past
     assert (runs["save_on_cpu"].get("reason") == bench.SAVE_ON_CPU_ON_TE) == (model["layer_kind"] == TE_LAYER)
     assert model["theory_source"] == "measured allocator" and len(model["held_bytes_per_layer"]) == 6
     for strategy in ours - {"no offload"}:  # this package's strategies keep every bit

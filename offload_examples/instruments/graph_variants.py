@@ -164,15 +164,14 @@ def graphed_layer_ms(graphed: Mapping[str, Sequence[Callable[[torch.Tensor], tor
     """Each layer's forward and backward ms in training steps through per-layer graphs (medians of ``steps``),
     for each set of layers in ``graphed`` (graphs of ``model``'s layers), the sets taking turns step by step.
 
-    Each step is prepared and timed as :func:`~offload_examples.instruments.measure.measure_round_robin`
-    times the steps it compares (gradients set to ``None``, the device idle, an event before the first
-    replay is launched), so that the spans add up to such a step, in the same state of the device: the
-    copy bound made from them (:func:`graphed_copy_bound_ms`) then counts what the step does besides the
-    layers, and its compute runs at the speed of the steps it is compared with. CUDA events go between the
-    layers' forward replays, and into hooks on their outputs, which run as each backward graph before has
-    ended: a graph replays its kernels back to back, so each span is the layer's GPU time, and any gap
-    before its replay. The first layer's forward includes the step's start, the last layer's backward the
-    loss's.
+    Each step is prepared and timed as :func:`~offload_examples.instruments.measure.measure_round_robin` times the
+    steps it compares (gradients set to ``None``, the device idle, an event before the first replay is launched),
+    so that the spans come close to adding up to such a step, in the same state of the device: the copy bound made
+    from them (:func:`graphed_copy_bound_ms`) then counts what the step does besides the layers, and its compute
+    runs at about the speed of the steps it is compared with. CUDA events go between the layers' forward replays,
+    and into hooks on their outputs, which run as each backward graph before has ended: a graph replays its
+    kernels back to back, so each span is the layer's GPU time, and any gap before its replay. The first layer's
+    forward includes the step's start, the last layer's backward the loss's.
     """
     times: dict[str, list[tuple[list[float], list[float]]]] = {name: [] for name in graphed}
     for r in range(steps):
@@ -233,9 +232,10 @@ def graphed_copy_bound_ms(engine: Any, forward_ms: Sequence[float], backward_ms:
 
 def graphed_copy_waits_ms(bound_ms: float, forward_ms: Sequence[float], backward_ms: Sequence[float]) -> float:
     """How long a schedule keeps the graphs' compute waiting for copies at the link's speed: its copy bound
-    (:func:`graphed_copy_bound_ms` over the same layers' spans) less the spans. Added to the graphed step
-    without offloading as it was timed, it gives the bound again on that step: the spans
-    (:func:`graphed_layer_ms`) add up to a step like it, measured apart from it."""
+    (:func:`graphed_copy_bound_ms` over the same layers' spans) less the spans. Added to the timed graphed
+    step without offloading, it estimates the step with offloading where the spans
+    (:func:`graphed_layer_ms`), measured in other steps, add up to a little more or less than that step:
+    an estimate, not a bound."""
     return max(0.0, bound_ms - sum(forward_ms) - sum(backward_ms))  # the sums' rounding, where nothing waits
 
 
