@@ -814,3 +814,40 @@ def test_the_graphed_column_reads_as_one_sentence_per_k():
             "the step without plus them" in note)
     assert "engine 139.0 ms, TE's offload 140.8 ms, engine / TE -1.3% (quartiles -2.0% .. -1.0%)" in note
     assert note.endswith("k = 4: failed (RuntimeError: no).")
+
+
+def test_no_strategy_leaves_anything_active_for_the_next(monkeypatch):
+    """After each strategy the benchmark runs, nothing of it stays active in the process: no saved-tensor
+    hooks, no torch function or dispatch mode, no engine layer open, Transformer Engine's offload path not
+    switched on, the deterministic mode, the attention backends and grad mode as they were. A later
+    library's strategy meets the process as a fresh one would, apart from the allocators' caches."""
+    from offload_examples.core import entries, te_path
+    from offload_examples.instruments.bench import model_grid
+
+    def state():
+        backends = torch.backends.cuda
+        return {"saved-tensor hooks": torch._C._autograd._top_saved_tensors_default_hooks(False),
+                "function modes": torch._C._len_torch_function_stack(),
+                "dispatch modes": torch._C._len_torch_dispatch_stack(), "grad": torch.is_grad_enabled(),
+                "deterministic": torch.are_deterministic_algorithms_enabled(),
+                "attention": (backends.flash_sdp_enabled(), backends.mem_efficient_sdp_enabled(),
+                              backends.math_sdp_enabled(), backends.cudnn_sdp_enabled()),
+                "te path": (te_path._open_entries, te_path._set_by_engines),
+                "open layer": getattr(entries._active, "engine", None)}
+
+    seen, real = [], model_grid._run_strategy
+
+    def checked(strategy, *args, **kwargs):
+        before = state()
+        result = real(strategy, *args, **kwargs)
+        seen.append((strategy, result["status"], before, state()))
+        return result
+
+    monkeypatch.setattr(model_grid, "_run_strategy", checked)
+    config = bench.BenchConfig.tiny(models=("A",), ks=(2,), graphed=False)
+    bench.run(config, "cpu", stream=io.StringIO())
+    ran = {strategy for strategy, status, _, _ in seen if status == "ok"}
+    assert {"engine", "engine (fresh pinned)", "save_on_cpu", "checkpoint"} <= ran, seen
+    for strategy, _, before, after in seen:
+        changed = {key: (before[key], after[key]) for key in after if after[key] != before[key]}
+        assert not changed, (strategy, changed)
