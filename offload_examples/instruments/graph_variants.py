@@ -18,8 +18,8 @@ import torch
 
 from offload_examples.features.graphs import CapturedStep, _capture_stream, capture_step
 from offload_examples.instruments.measure import (
-    GradCheck, Measurement, Run, balanced_rounds, compare_grads, free_memory, graph_pools_bytes, measure_round_robin,
-    measure_steps, overhead_spread, snapshot, training_step,
+    GradCheck, Measurement, Run, _zero_grads, balanced_rounds, compare_grads, free_memory, graph_pools_bytes,
+    measure_round_robin, measure_steps, overhead_spread, snapshot, training_step,
 )
 from offload_examples.instruments.report import cpu_timing_note, format_bytes, format_table
 
@@ -186,8 +186,7 @@ def _layer_spans(graphed: Sequence[Callable[[torch.Tensor], torch.Tensor]], mode
                  x: torch.Tensor) -> tuple[list[float], list[float]]:
     """One training step through ``graphed``: each layer's forward and backward span (ms)."""
     n = len(graphed)
-    model.zero_grad(set_to_none=True)  # as measure_round_robin clears them before each step it times
-    x.grad = None
+    _zero_grads(model, x)  # as measure_round_robin clears them before each step it times
     torch.cuda.synchronize()
     marks, back = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)], {}
     marks[0].record()
